@@ -1,0 +1,492 @@
+"""One dispatch mode that records memory, runtime and per-op SAC facts of a training step.
+
+:class:`StepRecorder` is a ``TorchDispatchMode`` plus global module hooks. Per aten op it
+
+* registers every *new* output storage with the category of the phase it was made in
+  (forward → activation, backward → temp, optimizer step → temp; gradients and optimizer state are
+  re-labelled when autograd / the optimizer adopt them) and the target allocator's rounded size;
+  a ``weakref.finalize`` on the storage takes it off when it dies;
+* keeps the live bytes per category as running totals, so every hook and op is O(1) in the model size
+  (PyTorch's ``MemTracker`` walks all tracked tensors per snapshot, which is why it slows superlinearly);
+* estimates the op's time on the target (:class:`~sacplan.collect.runtime.RuntimeModel`) and adds it to
+  the active modules;
+* in forward, appends an op record (output bytes, view / in-place / random flags, FLOPs) to one global
+  list; each module call remembers its contiguous slice of it.
+
+Module hooks mark the timeline: every forward pre/post and backward pre/post closes a *segment* whose
+peak becomes a :class:`~sacplan.stats.MemoryEvent`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from sacplan.collect.runtime import RuntimeModel, op_flops
+from sacplan.devices import DeviceSpec
+from sacplan.stats import CATEGORIES
+
+try:  # torch >= 2.4
+    from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
+except ImportError:  # pragma: no cover - older torch
+    _SAC_IGNORED = {torch.ops.aten.detach.default}
+
+aten = torch.ops.aten
+CAT = {name: i for i, name in enumerate(CATEGORIES)}
+PARAM, BUFFER, GRAD, OPT, INPUT, ACT, TEMP, OTHER = (CAT[c] for c in CATEGORIES)
+#: ops never offered to a selective-checkpoint policy (PyTorch skips them too).
+IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default}
+
+_VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}
+
+
+def op_kind(func: Any) -> tuple[bool, bool]:
+    """``(is_view, is_inplace)`` of an aten overload, read from its schema (cached)."""
+    kind = _VIEW_CACHE.get(func)
+    if kind is None:
+        schema = func._schema
+        is_inplace = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        is_view = (not is_inplace) and any(r.alias_info is not None for r in schema.returns)
+        kind = (is_view, is_inplace)
+        _VIEW_CACHE[func] = kind
+    return kind
+
+
+def storages_of(x: Any) -> list[torch.UntypedStorage]:
+    """Untyped storages of every tensor in a pytree (sparse/nested tensors give none)."""
+    flat, _ = tree_flatten(x)
+    out = []
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            try:
+                out.append(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                pass
+    return out
+
+
+@dataclass
+class OpRecord:
+    """A forward op as recorded (indices are global over the step's forward ops)."""
+
+    func: Any
+    new_bytes: int
+    out_sids: tuple[int, ...]
+    ms: float
+    flops: int
+    is_view: bool
+    is_inplace: bool
+    is_random: bool
+    inplace_parent: int | None
+
+
+@dataclass
+class CallRecord:
+    """One call of one module during the recorded step."""
+
+    fqn: str
+    call: int
+    parent: "CallRecord | None"
+    depth: int
+    op_start: int
+    event_fw_start: int
+    op_end: int = -1
+    last_pack: int = -1
+    pre_fw: tuple[int, ...] = ()
+    post_fw: tuple[int, ...] = ()
+    peak_fw: tuple[int, ...] = ()
+    pre_bw: tuple[int, ...] = ()
+    post_bw: tuple[int, ...] = ()
+    peak_bw: tuple[int, ...] = ()
+    event_bw_start: int = -1
+    alloc_seq_pre: int = 0
+    act_alloc_pre: int = 0
+    act_freed_inside: int = 0
+    act_kept: int = 0
+    out_sids: tuple[int, ...] = ()
+    out_new_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    fw_ms: float = 0.0
+    bw_ms: float = 0.0
+    fw_flops: int = 0
+    bw_flops: int = 0
+    bw_done: bool = False
+
+
+@dataclass
+class Segment:
+    phase: str
+    module: str
+    call: int
+    fw_done: int
+    bw_started: int
+    peak: int
+    cats: tuple[int, ...]
+    extra: int = 0
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records one training step (see module docstring). Use as a context manager around the step.
+
+    Args:
+        model: the model (its module names become fqns; the root is ``""``).
+        spec: the target device (allocator rounding, roofline figures).
+        runtime: the runtime model.
+        sdpa_random_hint: callable returning True once if the next attention kernel was called with dropout.
+    """
+
+    def __init__(self, model: nn.Module, spec: DeviceSpec, runtime: RuntimeModel) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+        self.runtime = runtime
+        self.fqn_of: dict[nn.Module, str] = {}
+        for name, mod in model.named_modules(remove_duplicate=False):
+            self.fqn_of.setdefault(mod, name)
+        self.live = [0] * len(CATEGORIES)
+        self.total = 0
+        self.storages: dict[int, list[int]] = {}  # sid -> [nbytes, category, alloc seq, category at alloc]
+        self.act_alloc_total = 0  # cumulative activation bytes allocated (for per-call kept bytes)
+        self.sid_creator: dict[int, int] = {}  # sid -> global forward op index that created it
+        self.alloc_seq = 0
+        self.recording = False
+        self.in_optimizer = False
+        self.next_sdpa_random = False
+        # timeline
+        self.segments: list[Segment] = []
+        self.seg_peak = 0
+        self.seg_cats: tuple[int, ...] = tuple(self.live)
+        self.step_peak = 0
+        self.step_peak_cats: tuple[int, ...] = tuple(self.live)
+        self.step_peak_where: tuple[str, str] = ("fw", "")
+        # module calls
+        self.calls: list[CallRecord] = []
+        self.call_count: dict[str, int] = {}
+        self.fw_stack: list[CallRecord] = []
+        self.bw_active: list[CallRecord] = []
+        self.fw_pre_order: list[str] = []
+        self.fw_post_order: list[str] = []
+        self.bw_pre_order: list[str] = []
+        self.bw_post_order: list[str] = []
+        # forward ops
+        self.ops: list[OpRecord] = []
+        self.packed_sids: set[int] = set()
+        # totals
+        self.fw_ms = self.bw_ms = self.opt_ms = 0.0
+        self.fw_flops = self.bw_flops = 0
+        self._handles: list[Any] = []
+        self._pending_bw_post: list[Callable[[], None]] = []
+        self._callback_queued = False
+        self._saved_hooks: Any = None
+
+    # ------------------------------------------------------------------ storage accounting --------
+    def register(self, t: Any, category: int) -> None:
+        """Track the storages of tensors in ``t`` under ``category`` (re-label if already tracked)."""
+        for st in storages_of(t):
+            self._add_storage(st, category)
+
+    def _add_storage(self, st: torch.UntypedStorage, category: int) -> int:
+        sid = id(st)
+        info = self.storages.get(sid)
+        if info is not None:
+            if info[1] != category:
+                self.live[info[1]] -= info[0]
+                self.live[category] += info[0]
+                info[1] = category
+            return 0
+        nbytes = self.spec.round_alloc(st.nbytes())
+        self.alloc_seq += 1
+        self.storages[sid] = [nbytes, category, self.alloc_seq, category]
+        if category == ACT:
+            self.act_alloc_total += nbytes
+        weakref.finalize(st, self._free, sid)
+        self.live[category] += nbytes
+        self.total += nbytes
+        if self.total > self.seg_peak:
+            self.seg_peak = self.total
+            self.seg_cats = tuple(self.live)
+        return nbytes
+
+    def _free(self, sid: int) -> None:
+        info = self.storages.pop(sid, None)
+        if info is not None:
+            self.live[info[1]] -= info[0]
+            self.total -= info[0]
+            if info[3] == ACT:
+                # Charge the free to every open forward call that allocated this storage (O(depth)).
+                for rec in reversed(self.fw_stack):
+                    if info[2] <= rec.alloc_seq_pre:
+                        break
+                    rec.act_freed_inside += info[0]
+        self.sid_creator.pop(sid, None)
+
+    def relabel(self, t: Any, category: int) -> None:
+        """Move already-tracked storages of ``t`` to ``category`` (untracked ones are added)."""
+        self.register(t, category)
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(self.live)
+
+    # ------------------------------------------------------------------ timeline ------------------
+    def _phase(self) -> str:
+        if self.in_optimizer:
+            return "other"
+        return "bw" if torch._C._current_graph_task_id() != -1 else "fw"
+
+    def close_segment(self, phase: str | None = None) -> None:
+        """End the current stretch of the timeline and start a new one at the current live bytes."""
+        if self.recording:
+            phase = phase or self._phase()
+            if self.fw_stack and phase == "fw":
+                mod, call = self.fw_stack[-1].fqn, self.fw_stack[-1].call
+            elif self.bw_active and phase == "bw":
+                mod, call = self.bw_active[-1].fqn, self.bw_active[-1].call
+            else:
+                mod, call = "", 0
+            self.segments.append(
+                Segment(phase, mod, call, len(self.fw_post_order), len(self.bw_pre_order), self.seg_peak, self.seg_cats)
+            )
+            if self.seg_peak > self.step_peak:
+                self.step_peak = self.seg_peak
+                self.step_peak_cats = self.seg_cats
+                self.step_peak_where = (phase, mod)
+        self.seg_peak = self.total
+        self.seg_cats = tuple(self.live)
+
+    # ------------------------------------------------------------------ dispatch ------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in IGNORED_OPS:
+            return out
+        is_view, is_inplace = op_kind(func)
+        new_bytes = 0
+        out_sids = []
+        in_bw = torch._C._current_graph_task_id() != -1
+        category = TEMP if (in_bw or self.in_optimizer) else ACT
+        for st in storages_of(out):
+            sid = id(st)
+            out_sids.append(sid)
+            if sid not in self.storages:
+                new_bytes += self._add_storage(st, category)
+        if not self.recording:
+            return out
+        flops = op_flops(func, args, kwargs, out)
+        ms = self.runtime.estimate(func, args, kwargs, out, flops, is_view)
+        if self.in_optimizer:
+            self.opt_ms += ms
+        elif in_bw:
+            self.bw_ms += ms
+            self.bw_flops += flops
+            for rec in self.bw_active:
+                rec.bw_ms += ms
+                rec.bw_flops += flops
+        else:
+            self.fw_ms += ms
+            self.fw_flops += flops
+            g = len(self.ops)
+            is_random = torch.Tag.nondeterministic_seeded in func.tags
+            if func._overloadpacket in _ATTENTION_PACKETS:
+                # SDPA kernels carry the seeded tag; they are random only when called with dropout.
+                is_random = self.next_sdpa_random or _dropout_arg(func, args, kwargs) > 0
+                self.next_sdpa_random = False
+            parent = None
+            if is_inplace:
+                for sid in out_sids:
+                    if sid in self.sid_creator:
+                        parent = self.sid_creator[sid]
+                        break
+            for sid in out_sids:
+                self.sid_creator.setdefault(sid, g)
+            self.ops.append(OpRecord(func, new_bytes, tuple(out_sids), ms, flops, is_view, is_inplace, is_random, parent))
+            for rec in self.fw_stack:
+                rec.fw_ms += ms
+                rec.fw_flops += flops
+        return out
+
+    # ------------------------------------------------------------------ autograd pack hook --------
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.recording and torch._C._current_graph_task_id() == -1:
+            try:
+                self.packed_sids.add(id(t.untyped_storage()))
+            except (RuntimeError, NotImplementedError):
+                pass
+            n = len(self.ops)
+            for rec in self.fw_stack:
+                rec.last_pack = n
+        return t
+
+    # ------------------------------------------------------------------ module hooks --------------
+    def _fw_pre(self, mod: nn.Module, inputs: Any) -> None:
+        fqn = self.fqn_of.get(mod)
+        if fqn is None or torch._C._current_graph_task_id() != -1:
+            return  # a module of another model, or a forward re-run inside backward
+        if not self.recording:
+            self._register_bw_post(mod, fqn, inputs, None)
+            return
+        self.close_segment("fw")
+        call = self.call_count.get(fqn, 0)
+        self.call_count[fqn] = call + 1
+        parent = self.fw_stack[-1] if self.fw_stack else None
+        rec = CallRecord(
+            fqn=fqn,
+            call=call,
+            parent=parent,
+            depth=len(self.fw_stack),
+            op_start=len(self.ops),
+            event_fw_start=len(self.segments),
+            pre_fw=self.snapshot(),
+            alloc_seq_pre=self.alloc_seq,
+            act_alloc_pre=self.act_alloc_total,
+            input_bytes=_tensor_bytes_of(inputs, self.spec),
+        )
+        self.calls.append(rec)
+        self.fw_stack.append(rec)
+        self.fw_pre_order.append(fqn)
+        self._register_bw_post(mod, fqn, inputs, rec)
+
+    def _fw_post(self, mod: nn.Module, inputs: Any, output: Any) -> None:
+        fqn = self.fqn_of.get(mod)
+        if fqn is None or torch._C._current_graph_task_id() != -1:
+            return
+        if not self.recording:
+            self._register_bw_pre(mod, output, None)
+            return
+        if not self.fw_stack or self.fw_stack[-1].fqn != fqn:
+            return  # unbalanced (forward raised in a child); ignore
+        rec = self.fw_stack[-1]
+        self.close_segment("fw")
+        rec.op_end = len(self.ops)
+        rec.post_fw = self.snapshot()
+        peak = max((self.segments[i] for i in range(rec.event_fw_start, len(self.segments))), key=lambda s: s.peak, default=None)
+        rec.peak_fw = peak.cats if peak is not None and peak.peak > sum(rec.post_fw) else rec.post_fw
+        sids = []
+        new_out = 0
+        for st in storages_of(output):
+            sid = id(st)
+            sids.append(sid)
+            info = self.storages.get(sid)
+            if info is not None and info[2] > rec.alloc_seq_pre and info[1] == ACT:
+                new_out += info[0]
+        rec.out_sids = tuple(sids)
+        rec.out_new_bytes = new_out
+        kept = self.act_alloc_total - rec.act_alloc_pre - rec.act_freed_inside
+        rec.act_kept = max(0, kept - new_out)
+        rec.output_bytes = _tensor_bytes_of(output, self.spec)
+        self.fw_stack.pop()
+        self.fw_post_order.append(fqn)
+        self._register_bw_pre(mod, output, rec)
+
+    def _register_bw_pre(self, mod: nn.Module, output: Any, rec: CallRecord | None) -> None:
+        flat, _ = tree_flatten(output)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+
+        def hook(grads: Any) -> None:
+            self._maybe_queue_callback()
+            if rec is None or not self.recording:
+                return
+            self.close_segment("bw")
+            rec.pre_bw = self.snapshot()
+            rec.event_bw_start = len(self.segments)
+            self.bw_pre_order.append(rec.fqn)
+            self.bw_active.append(rec)
+            # Recomputing this call's forward (if checkpointed) would happen here.
+            self.segments.append(
+                Segment("rc", rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
+                        extra=max(0, sum(rec.peak_fw) - sum(rec.post_fw)))
+            )
+
+        register_multi_grad_hook(tensors, hook, mode="any")
+
+    def _register_bw_post(self, mod: nn.Module, fqn: str, inputs: Any, rec: CallRecord | None) -> None:
+        flat, _ = tree_flatten(inputs)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        def done(*_: Any) -> None:
+            if rec is None or rec.bw_done or not self.recording or rec.event_bw_start < 0:
+                return
+            rec.bw_done = True
+            self.close_segment("bw")
+            rec.post_bw = self.snapshot()
+            span = self.segments[rec.event_bw_start :]
+            peak = max((s for s in span if s.phase == "bw"), key=lambda s: s.peak, default=None)
+            rec.peak_bw = peak.cats if peak is not None and peak.peak > sum(rec.pre_bw) else rec.pre_bw
+            self.bw_post_order.append(rec.fqn)
+            if rec in self.bw_active:
+                self.bw_active.remove(rec)
+
+        if tensors:
+            register_multi_grad_hook(tensors, done, mode="all")
+        else:
+            self._pending_bw_post.append(done)
+
+    def _maybe_queue_callback(self) -> None:
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        engine = torch.autograd.Variable._execution_engine
+        for cb in reversed(self._pending_bw_post):
+            engine.queue_callback(cb)
+        self._pending_bw_post.clear()
+
+        def reset() -> None:
+            self._callback_queued = False
+
+        engine.queue_callback(reset)
+
+    # ------------------------------------------------------------------ context -------------------
+    def __enter__(self) -> "StepRecorder":
+        self._handles = [
+            register_module_forward_pre_hook(self._fw_pre),
+            register_module_forward_hook(self._fw_post, always_call=True),
+        ]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._saved_hooks.__exit__(*exc)
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+
+
+_ATTENTION_PACKETS = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+}
+
+
+def _dropout_arg(func: Any, args: tuple, kwargs: dict) -> float:
+    if "dropout_p" in kwargs:
+        return float(kwargs["dropout_p"])
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p" and i < len(args):
+            return float(args[i])
+    return 0.0
+
+
+def _tensor_bytes_of(x: Any, spec: DeviceSpec) -> int:
+    seen: set[int] = set()
+    total = 0
+    for st in storages_of(x):
+        if id(st) not in seen:
+            seen.add(id(st))
+            total += spec.round_alloc(st.nbytes())
+    return total

@@ -1,0 +1,418 @@
+"""Frozen statistics produced by :func:`sacplan.collect` and read by every later stage.
+
+Units: sizes are ``int`` bytes as the *target* allocator holds them (rounded to its block size);
+times are ``float`` milliseconds on the target device; FLOPs are ``int``.
+
+The flow is one-way: ``collect`` builds :class:`ModelStats`; :class:`sacplan.tree.ModuleTree` wraps it;
+the solver reads the tree. Nothing here imports from a later stage.
+
+Memory timeline model
+---------------------
+During the collected (no checkpointing) step, the live bytes are recorded between every pair of module
+hook events. Each :class:`MemoryEvent` is the peak of one such stretch and says how far the step had got:
+
+* ``fw_done``: how many entries of :attr:`ModelStats.fw_post_order` (module *calls* whose forward had
+  finished) lie before the stretch;
+* ``bw_started``: how many entries of :attr:`ModelStats.bw_pre_order` (module calls whose backward had
+  begun) lie before the stretch.
+
+That is all the solver needs to know which checkpointed modules' discarded activations are absent at
+that moment (see :mod:`sacplan.solve`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from sacplan.devices import DeviceSpec
+
+#: Memory categories tracked per allocation.
+CATEGORIES = ("param", "buffer", "grad", "optimizer", "input", "activation", "temp", "other")
+#: Snapshot names recorded per module call.
+SNAPSHOTS = ("pre_fw", "peak_fw", "post_fw", "pre_bw", "peak_bw", "post_bw")
+
+
+def _tuple(x: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(x)
+
+
+@dataclass(frozen=True)
+class MemSnapshot:
+    """Live bytes per category at one instant (``total`` is their sum)."""
+
+    param: int = 0
+    buffer: int = 0
+    grad: int = 0
+    optimizer: int = 0
+    input: int = 0
+    activation: int = 0
+    temp: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.param + self.buffer + self.grad + self.optimizer + self.input + self.activation + self.temp + self.other
+        )
+
+    @property
+    def state(self) -> int:
+        """Parameters + gradients + optimizer state: the part FSDP shards."""
+        return self.param + self.grad + self.optimizer
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, int]) -> "MemSnapshot":
+        return cls(**{k: int(v) for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class OpStat:
+    """One aten op run inside a module's forward (SAC-ignored ops such as ``detach`` excluded).
+
+    Attributes:
+        index: position among the recorded ops of this module call (0-based).
+        name: overload name, e.g. ``"aten.mm.default"``.
+        occurrence: how many earlier ops with the same ``name`` this module call ran; ``(name, occurrence)``
+            is how a selective-checkpoint policy recognises the op at apply time.
+        out_bytes: bytes of *new* output storages (allocator-rounded); 0 for views and in-place ops.
+        runtime_ms: estimated time on the target device.
+        flops: floating-point operations (as ``torch.utils.flop_counter`` counts them; 0 if it does not).
+        is_view: the op only creates views (always recomputed, free).
+        is_random: the op draws random numbers (random ops are all saved or all recomputed together).
+        inplace_of: for an in-place op, the index of the op whose output it modifies (its group head).
+        saved_by_autograd: an output of this op is packed by autograd for backward.
+        is_output: an output of this op is (part of) the module's output.
+        save_cost_bytes: bytes that saving this op under SAC holds beyond the module's output:
+            ``out_bytes`` unless the output is the module output itself (then 0).
+    """
+
+    index: int
+    name: str
+    occurrence: int
+    out_bytes: int
+    runtime_ms: float
+    flops: int
+    is_view: bool = False
+    is_random: bool = False
+    inplace_of: int | None = None
+    saved_by_autograd: bool = False
+    is_output: bool = False
+    save_cost_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "OpStat":
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class TradeOff:
+    """Recompute cost of a module as a function of the activation bytes it discards.
+
+    With discard fraction ``r = discarded / max_discard_bytes`` in ``[0, 1]`` and recompute fraction
+    ``q = recompute_ms / full_recompute_ms``, a checkpointed module costs ``q(r) = max_s(slopes[s] * r +
+    intercepts[s])``: a convex piecewise-linear *upper bound* of what the op-level selection achieves, so
+    a plan never costs more than predicted. ``points`` are the achievable (r, q) vertices of the greedy
+    order (op groups taken in decreasing bytes-per-ms) that the lines bound.
+
+    Attributes:
+        max_discard_bytes: activation bytes full checkpointing of one call frees (``A``), bytes.
+        full_recompute_ms: recompute time of full checkpointing of one call (``R``), ms.
+        points: greedy vertices ``(r, q)``, r ascending, first r = 0.
+        slopes, intercepts: the lines (dimensionless, in (r, q) units).
+        full_recompute_flops: FLOPs recomputed by full checkpointing of one call.
+    """
+
+    max_discard_bytes: int
+    full_recompute_ms: float
+    points: tuple[tuple[float, float], ...]
+    slopes: tuple[float, ...]
+    intercepts: tuple[float, ...]
+    full_recompute_flops: int = 0
+
+    def recompute_fraction(self, r: float) -> float:
+        """Upper-bound recompute fraction at discard fraction ``r`` (0 when ``r`` is 0 and not checkpointed)."""
+        return max(s * r + b for s, b in zip(self.slopes, self.intercepts))
+
+    def recompute_ms(self, discard_bytes: float) -> float:
+        """Upper-bound recompute ms to discard ``discard_bytes`` of one call."""
+        if self.max_discard_bytes <= 0:
+            return 0.0
+        r = min(1.0, max(0.0, discard_bytes / self.max_discard_bytes))
+        return self.full_recompute_ms * self.recompute_fraction(r)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["points"] = [list(p) for p in self.points]
+        d["slopes"] = list(self.slopes)
+        d["intercepts"] = list(self.intercepts)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TradeOff":
+        return cls(
+            max_discard_bytes=int(d["max_discard_bytes"]),
+            full_recompute_ms=float(d["full_recompute_ms"]),
+            points=tuple((float(a), float(b)) for a, b in d["points"]),
+            slopes=tuple(float(x) for x in d["slopes"]),
+            intercepts=tuple(float(x) for x in d["intercepts"]),
+            full_recompute_flops=int(d.get("full_recompute_flops", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class ModuleStats:
+    """Statistics of one module (fully qualified name ``fqn``; the root is ``""``).
+
+    Per-call quantities are tuples with one entry per call of the module in the step; the scalar fields
+    are totals over calls unless noted.
+
+    Attributes:
+        fqn, module_type, parent, depth, is_leaf: place in the module tree (``parent`` is None for the root).
+        calls: how many times the forward ran in one step.
+        param_bytes: parameters of the subtree (each shared parameter counted once).
+        buffer_bytes: buffers of the subtree.
+        grad_bytes: gradients of the subtree's parameters.
+        optimizer_bytes: optimizer state of the subtree's parameters.
+        input_bytes, output_bytes: tensor bytes of the first call's inputs and outputs.
+        act_bytes: activation bytes kept alive by the forward of each call beyond its output
+            (what full checkpointing frees), per call.
+        act_grad_bytes: per call, peak backward bytes above the live bytes at backward start.
+        fw_transient_bytes: per call, the forward peak above the bytes live after the forward
+            (temporaries that recomputation allocates again), bytes.
+        fw_ms, bw_ms: estimated forward / backward time per call on the target.
+        fw_flops, bw_flops: FLOPs per call.
+        snapshots: per call, ``{name: MemSnapshot}`` for the names in :data:`SNAPSHOTS`.
+        ops: the first call's forward ops (see :class:`OpStat`).
+        recompute_stop: recomputation of this module under non-reentrant checkpoint (early stop on)
+            runs ops ``0 .. recompute_stop - 1`` only.
+        tradeoff: the recompute trade-off of one call; ``None`` when nothing can be discarded.
+    """
+
+    fqn: str
+    module_type: str
+    parent: str | None
+    depth: int
+    is_leaf: bool
+    calls: int
+    param_bytes: int
+    buffer_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    input_bytes: int
+    output_bytes: int
+    act_bytes: tuple[int, ...]
+    act_grad_bytes: tuple[int, ...]
+    fw_transient_bytes: tuple[int, ...]
+    fw_ms: tuple[float, ...]
+    bw_ms: tuple[float, ...]
+    fw_flops: tuple[int, ...]
+    bw_flops: tuple[int, ...]
+    snapshots: tuple[Mapping[str, MemSnapshot], ...]
+    ops: tuple[OpStat, ...] = ()
+    recompute_stop: int = 0
+    tradeoff: TradeOff | None = None
+
+    @property
+    def total_act_bytes(self) -> int:
+        return sum(self.act_bytes)
+
+    @property
+    def total_fw_ms(self) -> float:
+        return sum(self.fw_ms)
+
+    @property
+    def total_bw_ms(self) -> float:
+        return sum(self.bw_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "snapshots":
+                v = [{k: s.to_dict() for k, s in call.items()} for call in v]
+            elif f.name == "ops":
+                v = [o.to_dict() for o in v]
+            elif f.name == "tradeoff":
+                v = None if v is None else v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModuleStats":
+        kw = dict(d)
+        kw["snapshots"] = tuple({k: MemSnapshot.from_dict(s) for k, s in call.items()} for call in d["snapshots"])
+        kw["ops"] = tuple(OpStat.from_dict(o) for o in d.get("ops", ()))
+        kw["tradeoff"] = None if d.get("tradeoff") is None else TradeOff.from_dict(d["tradeoff"])
+        for name in ("act_bytes", "act_grad_bytes", "fw_transient_bytes", "fw_flops", "bw_flops"):
+            kw[name] = tuple(int(x) for x in d[name])
+        for name in ("fw_ms", "bw_ms"):
+            kw[name] = tuple(float(x) for x in d[name])
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """The peak of live bytes in one stretch of the step between two module hook events.
+
+    Attributes:
+        phase: ``"fw"`` (forward), ``"bw"`` (backward), ``"rc"`` (a module's backward start, where
+            recomputation would add ``extra_bytes`` if that module is checkpointed), or ``"other"``
+            (loss, optimizer step: no checkpointing decision changes it).
+        module: fqn of the innermost module running (``""`` at top level).
+        call: which call of ``module``.
+        fw_done: entries of ``fw_post_order`` completed before the stretch.
+        bw_started: entries of ``bw_pre_order`` begun before the stretch (0 in forward).
+        peak_bytes: peak live bytes of the stretch (all categories).
+        state_bytes: parameters + gradients + optimizer state live at that peak (FSDP shards these).
+        extra_bytes: for ``"rc"`` events, the recompute transient of ``module``'s forward.
+    """
+
+    phase: str
+    module: str
+    call: int
+    fw_done: int
+    bw_started: int
+    peak_bytes: int
+    state_bytes: int
+    extra_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MemoryEvent":
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Everything one collected training step says about a model on a target device.
+
+    Attributes:
+        device: the target :class:`DeviceSpec`.
+        model_name: a label (class name or preset).
+        dtype: parameter dtype name, e.g. ``"torch.bfloat16"``.
+        world_size: ranks the sizes are per (1 unless collected for FSDP/DDP).
+        modules: per-module stats in forward pre-order of first calls.
+        fw_pre_order, fw_post_order, bw_pre_order, bw_post_order: module calls as fqns in the order their
+            forward starts / forward ends / backward starts / backward ends (a module called twice appears twice).
+        events: the memory timeline (see module docstring).
+        peak_bytes: whole-step peak live bytes; ``peak_phase`` / ``peak_module`` say where it occurs.
+        peak_snapshot: live bytes per category at that peak.
+        param_bytes, grad_bytes, optimizer_bytes: whole-model totals.
+        fw_ms, bw_ms, optimizer_ms: estimated time of the forward, backward, optimizer step.
+        fw_flops, bw_flops: FLOPs of forward and backward.
+        fingerprint: a hash of module fqns, parameter shapes and input shapes (see :mod:`sacplan.plan`).
+        input_shapes: shapes of the example inputs' tensors.
+        meta: free-form provenance (torch version, host, collection seconds...).
+    """
+
+    device: DeviceSpec
+    model_name: str
+    dtype: str
+    world_size: int
+    modules: tuple[ModuleStats, ...]
+    fw_pre_order: tuple[str, ...]
+    fw_post_order: tuple[str, ...]
+    bw_pre_order: tuple[str, ...]
+    bw_post_order: tuple[str, ...]
+    events: tuple[MemoryEvent, ...]
+    peak_bytes: int
+    peak_phase: str
+    peak_module: str
+    peak_snapshot: MemSnapshot
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    fw_ms: float
+    bw_ms: float
+    optimizer_ms: float
+    fw_flops: int
+    bw_flops: int
+    fingerprint: str
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_ms(self) -> float:
+        """Estimated forward + backward + optimizer time, ms."""
+        return self.fw_ms + self.bw_ms + self.optimizer_ms
+
+    def module(self, fqn: str) -> ModuleStats:
+        """Stats of module ``fqn`` (KeyError naming close matches if absent)."""
+        for m in self.modules:
+            if m.fqn == fqn:
+                return m
+        import difflib
+
+        close = difflib.get_close_matches(fqn, [m.fqn for m in self.modules], n=3)
+        raise KeyError(f"no module {fqn!r} in the stats" + (f"; did you mean {close}?" if close else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device.to_dict(),
+            "model_name": self.model_name,
+            "dtype": self.dtype,
+            "world_size": self.world_size,
+            "modules": [m.to_dict() for m in self.modules],
+            "fw_pre_order": list(self.fw_pre_order),
+            "fw_post_order": list(self.fw_post_order),
+            "bw_pre_order": list(self.bw_pre_order),
+            "bw_post_order": list(self.bw_post_order),
+            "events": [e.to_dict() for e in self.events],
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "peak_module": self.peak_module,
+            "peak_snapshot": self.peak_snapshot.to_dict(),
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "fw_ms": self.fw_ms,
+            "bw_ms": self.bw_ms,
+            "optimizer_ms": self.optimizer_ms,
+            "fw_flops": self.fw_flops,
+            "bw_flops": self.bw_flops,
+            "fingerprint": self.fingerprint,
+            "input_shapes": [list(s) for s in self.input_shapes],
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelStats":
+        return cls(
+            device=DeviceSpec.from_dict(d["device"]),
+            model_name=d["model_name"],
+            dtype=d["dtype"],
+            world_size=int(d["world_size"]),
+            modules=tuple(ModuleStats.from_dict(m) for m in d["modules"]),
+            fw_pre_order=tuple(d["fw_pre_order"]),
+            fw_post_order=tuple(d["fw_post_order"]),
+            bw_pre_order=tuple(d["bw_pre_order"]),
+            bw_post_order=tuple(d["bw_post_order"]),
+            events=tuple(MemoryEvent.from_dict(e) for e in d["events"]),
+            peak_bytes=int(d["peak_bytes"]),
+            peak_phase=d["peak_phase"],
+            peak_module=d["peak_module"],
+            peak_snapshot=MemSnapshot.from_dict(d["peak_snapshot"]),
+            param_bytes=int(d["param_bytes"]),
+            grad_bytes=int(d["grad_bytes"]),
+            optimizer_bytes=int(d["optimizer_bytes"]),
+            fw_ms=float(d["fw_ms"]),
+            bw_ms=float(d["bw_ms"]),
+            optimizer_ms=float(d["optimizer_ms"]),
+            fw_flops=int(d["fw_flops"]),
+            bw_flops=int(d["bw_flops"]),
+            fingerprint=d["fingerprint"],
+            input_shapes=tuple(tuple(int(x) for x in s) for s in d.get("input_shapes", ())),
+            meta=dict(d.get("meta", {})),
+        )

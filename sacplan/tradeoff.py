@@ -1,0 +1,204 @@
+"""Recompute-vs-memory trade-off of one module call, from its forward ops.
+
+Given a module call's ops (:class:`~sacplan.stats.OpStat`), the activation bytes its forward keeps
+(``A``) and where recomputation stops (``recompute_stop``), this module
+
+1. groups ops that must be decided together: an in-place op with the op whose output it modifies, and all
+   random ops (recomputing some but not others would replay different random numbers);
+2. fixes the groups with no choice: views (free to recompute), groups that modify a tensor from outside
+   the module (always saved), groups that cost no bytes to save (always saved) and groups that cost no
+   time (always recomputed);
+3. takes the remaining groups in decreasing bytes-per-millisecond order (the greedy order) — each step
+   discards more bytes for more recompute time, with non-decreasing ms per byte, so the vertices lie on a
+   convex curve;
+4. represents the *achievable* cost as a convex piecewise-linear upper bound (a max of lines) in
+   normalised units ``r = discarded / max_discard`` and ``q = recompute_ms / full_recompute_ms``.
+
+Why an upper bound: between two greedy vertices no plan exists, so the cost of discarding ``d`` bytes is the
+next vertex's (a staircase). The line of greedy segment ``k`` shifted up to pass through
+``(r_{k-1}, q_k)`` is above the staircase on that segment; the max of those lines is convex and above the
+staircase everywhere, so the MILP stays exact and a plan never costs more than the solver predicted.
+When there are more than ``max_lines`` segments, ``pwlf`` fits fewer segments, and the fit is raised until
+it bounds every staircase corner again.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from sacplan.stats import OpStat, TradeOff
+
+#: Default cap on lines per module before pwlf simplifies the curve.
+DEFAULT_MAX_LINES = 8
+
+
+class _Groups:
+    """Union-find over op indices."""
+
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def op_groups(ops: Sequence[OpStat]) -> dict[int, list[int]]:
+    """Groups of ops decided together, keyed by their first op index (views are left out)."""
+    g = _Groups(len(ops))
+    rand = [o.index for o in ops if o.is_random]
+    for a, b in zip(rand, rand[1:]):
+        g.union(a, b)
+    for o in ops:
+        if o.inplace_of is not None and o.inplace_of != o.index:
+            g.union(o.index, o.inplace_of)
+    groups: dict[int, list[int]] = {}
+    for o in ops:
+        if o.is_view and o.inplace_of is None and not o.is_random:
+            continue
+        groups.setdefault(g.find(o.index), []).append(o.index)
+    return groups
+
+
+def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) -> tuple[list[tuple[int, float, int]], int]:
+    """Greedy plans of one module call.
+
+    Returns:
+        ``(vertices, mandatory_bytes)`` where each vertex is ``(discard_bytes, recompute_ms, recompute_flops)``
+        in greedy order (first: every choosable group saved; last: only mandatory groups saved), and
+        ``mandatory_bytes`` is what must be saved whatever the plan.
+    """
+
+    def t(i: int) -> float:
+        return ops[i].runtime_ms if i < recompute_stop else 0.0
+
+    def f(i: int) -> int:
+        return ops[i].flops if i < recompute_stop else 0
+
+    base_ms = 0.0
+    base_flops = 0
+    mandatory = 0
+    candidates: list[tuple[int, float, int, int]] = []  # (bytes, ms, flops, head)
+    grouped: set[int] = set()
+    for head, members in op_groups(ops).items():
+        grouped.update(members)
+        cost = sum(ops[i].save_cost_bytes for i in members)
+        ms = sum(t(i) for i in members)
+        fl = sum(f(i) for i in members)
+        outside = any(ops[i].inplace_of == i for i in members)
+        if outside or cost == 0:
+            mandatory += cost  # saved in every plan (cost 0: saving is free)
+        elif ms <= 0.0:
+            base_ms += ms
+            base_flops += fl  # always recomputed: no time to save by keeping it
+        else:
+            candidates.append((cost, ms, fl, head))
+    for o in ops:  # views: always recomputed
+        if o.index not in grouped:
+            base_ms += t(o.index)
+            base_flops += f(o.index)
+    # Greedy: most bytes per ms first; ties by position for determinism.
+    candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
+    kept = mandatory + sum(c[0] for c in candidates)
+    ms, fl = base_ms, base_flops
+    vertices = [(act_bytes - kept, ms, fl)]
+    for cost, cms, cfl, _ in candidates:
+        kept -= cost
+        ms += cms
+        fl += cfl
+        vertices.append((act_bytes - kept, ms, fl))
+    return vertices, mandatory
+
+
+def build_tradeoff(
+    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int, max_lines: int = DEFAULT_MAX_LINES
+) -> TradeOff | None:
+    """The :class:`TradeOff` of one module call, or ``None`` when checkpointing it cannot free anything."""
+    if act_bytes <= 0 or not ops:
+        return None
+    vertices, mandatory = greedy_vertices(ops, act_bytes, recompute_stop)
+    max_discard = act_bytes - mandatory
+    if max_discard <= 0 or vertices[-1][0] <= 0:
+        return None
+    max_discard = vertices[-1][0]
+    full_ms = vertices[-1][1]
+    full_flops = vertices[-1][2]
+    # First vertex that discards anything >= 0 (earlier ones keep more than the no-checkpoint step does).
+    first = next(i for i, v in enumerate(vertices) if v[0] >= 0)
+    pts = [(v[0] / max_discard, (v[1] / full_ms) if full_ms > 0 else 0.0) for v in vertices[first:]]
+    if pts[0][0] > 0:
+        pts.insert(0, (0.0, pts[0][1]))
+    slopes, intercepts = _upper_lines(tuple(pts), max_lines)
+    return TradeOff(
+        max_discard_bytes=int(max_discard),
+        full_recompute_ms=float(full_ms),
+        points=tuple(pts),
+        slopes=slopes,
+        intercepts=intercepts,
+        full_recompute_flops=int(full_flops),
+    )
+
+
+def staircase_corners(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The left corners ``(r_{k-1}, q_k)`` of the achievable staircase (plus the first point)."""
+    corners = [points[0]]
+    for (r0, _), (_, q1) in zip(points, points[1:]):
+        corners.append((r0, q1))
+    return corners
+
+
+def staircase(points: Sequence[tuple[float, float]], r: float) -> float:
+    """Achievable recompute fraction at discard fraction ``r``: the first vertex with ``r_k >= r``."""
+    for rk, qk in points:
+        if rk >= r - 1e-12:
+            return qk
+    return float("inf")
+
+
+@lru_cache(maxsize=4096)
+def _upper_lines(points: tuple[tuple[float, float], ...], max_lines: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    slopes = [0.0]
+    intercepts = [points[0][1]]
+    for (r0, q0), (r1, q1) in zip(points, points[1:]):
+        if r1 - r0 <= 1e-15:
+            continue
+        s = (q1 - q0) / (r1 - r0)
+        slopes.append(s)
+        intercepts.append(q1 - s * r0)
+    if len(slopes) > max_lines:
+        slopes, intercepts = _fit_fewer(points, max_lines)
+    return tuple(float(s) for s in slopes), tuple(float(b) for b in intercepts)
+
+
+def _fit_fewer(points: Sequence[tuple[float, float]], n_lines: int) -> tuple[list[float], list[float]]:
+    """pwlf fit of the staircase corners with ``n_lines`` segments, raised to bound every corner."""
+    import pwlf
+
+    corners = staircase_corners(points)
+    x = np.array([c[0] for c in corners] + [points[-1][0]])
+    y = np.array([c[1] for c in corners] + [points[-1][1]])
+    n_seg = max(1, n_lines)
+    # Breaks at evenly spaced vertices (a least-squares fit, no global search: fast and deterministic).
+    idx = np.linspace(0, len(points) - 1, n_seg + 1).round().astype(int)
+    breaks = np.unique(np.array([points[i][0] for i in idx]))
+    if len(breaks) < 2:
+        breaks = np.array([x.min(), x.max()])
+    model = pwlf.PiecewiseLinFit(x, y)
+    model.fit_with_breaks(breaks)
+    slopes = list(model.calc_slopes())
+    intercepts = list(model.intercepts)
+    xs = np.array([c[0] for c in corners])
+    ys = np.array([c[1] for c in corners])
+    h = np.max(np.outer(xs, slopes) + np.array(intercepts), axis=1)
+    lift = max(0.0, float(np.max(ys - h)))
+    return [float(s) for s in slopes], [float(b) + lift + 1e-12 for b in intercepts]
