@@ -19,6 +19,7 @@ peak becomes a :class:`~sacplan.stats.MemoryEvent`.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from sacplan.collect.runtime import RuntimeModel, op_flops
+from sacplan.collect.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
 from sacplan.stats import CATEGORIES
 
@@ -42,8 +44,19 @@ except ImportError:  # pragma: no cover - older torch
 aten = torch.ops.aten
 CAT = {name: i for i, name in enumerate(CATEGORIES)}
 PARAM, BUFFER, GRAD, OPT, INPUT, ACT, TEMP, OTHER = (CAT[c] for c in CATEGORIES)
-#: ops never offered to a selective-checkpoint policy (PyTorch skips them too).
-IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default}
+#: profiler markers (``record_function`` in ``Optimizer.step``/``zero_grad`` or user code): no kernel, no
+#: memory and no time on any device, so they are neither timed nor recorded as forward ops.
+_PROFILER_OPS = frozenset(
+    getattr(getattr(torch.ops.profiler, packet, None), overload, None)
+    for packet, overload in (
+        ("_record_function_enter", "default"),
+        ("_record_function_enter_new", "default"),
+        ("_record_function_exit", "default"),
+        ("_record_function_exit", "_RecordFunction"),
+    )
+) - {None}
+#: ops never offered to a selective-checkpoint policy (PyTorch skips them too), and profiler markers.
+IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default} | _PROFILER_OPS
 
 _VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}
 
@@ -120,6 +133,7 @@ class CallRecord:
     fw_flops: int = 0
     bw_flops: int = 0
     bw_done: bool = False
+    bw_post_fn: Any = None  # the live backward-post callback (a later one supersedes it)
 
 
 @dataclass
@@ -187,6 +201,8 @@ class StepRecorder(TorchDispatchMode):
         self._pending_bw_post: list[Callable[[], None]] = []
         self._callback_queued = False
         self._saved_hooks: Any = None
+        #: ``(fqn, exception)`` of the innermost module whose forward raised (set while the exception unwinds).
+        self.failed_in: tuple[str, BaseException] | None = None
 
     # ------------------------------------------------------------------ storage accounting --------
     def register(self, t: Any, category: int) -> None:
@@ -273,13 +289,25 @@ class StepRecorder(TorchDispatchMode):
         out_sids = []
         in_bw = torch._C._current_graph_task_id() != -1
         category = TEMP if (in_bw or self.in_optimizer) else ACT
+        fresh = 0
         for st in storages_of(out):
             sid = id(st)
             out_sids.append(sid)
             if sid not in self.storages:
+                fresh += 1
                 new_bytes += self._add_storage(st, category)
+        ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
+        if ws and self.total + ws > self.seg_peak:
+            self.seg_peak = self.total + ws
+            cats = list(self.live)
+            cats[TEMP] += ws
+            self.seg_cats = tuple(cats)
         if not self.recording:
             return out
+        if out_sids and not fresh and not is_inplace:
+            # Returns only aliases of existing storages without declaring it (``_unsafe_view``, no-op ``to``):
+            # a view in all but schema. Saving it under SAC would pin its base, so it is treated as a view.
+            is_view = True
         flops = op_flops(func, args, kwargs, out)
         ms = self.runtime.estimate(func, args, kwargs, out, flops, is_view)
         if self.in_optimizer:
@@ -354,10 +382,16 @@ class StepRecorder(TorchDispatchMode):
         self.fw_pre_order.append(fqn)
         self._register_bw_post(mod, fqn, inputs, rec)
 
-    def _fw_post(self, mod: nn.Module, inputs: Any, output: Any) -> None:
+    def _fw_post(self, mod: nn.Module, inputs: Any, *rest: Any) -> None:
+        # Registered with_kwargs: ``(mod, args, kwargs, output)``; when the forward raised, PyTorch calls
+        # always-call global hooks as ``(mod, args, None)`` from inside its ``except`` block.
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         fqn = self.fqn_of.get(mod)
         if fqn is None or torch._C._current_graph_task_id() != -1:
             return
+        exc = sys.exc_info()[1]
+        if exc is not None and (self.failed_in is None or self.failed_in[1] is not exc):
+            self.failed_in = (fqn, exc)  # the first module to unwind is the innermost one
         if not self.recording:
             self._register_bw_pre(mod, output, None)
             return
@@ -382,6 +416,13 @@ class StepRecorder(TorchDispatchMode):
         kept = self.act_alloc_total - rec.act_alloc_pre - rec.act_freed_inside
         rec.act_kept = max(0, kept - new_out)
         rec.output_bytes = _tensor_bytes_of(output, self.spec)
+        if kwargs:
+            # Tensors passed by keyword are inputs too (the global pre-hook only sees positional ones):
+            # count them, and end this call's backward when their gradients are done as well.
+            rec.input_bytes = _tensor_bytes_of((inputs, kwargs), self.spec)
+            flat, _ = tree_flatten(kwargs)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+                self._register_bw_post(mod, fqn, (inputs, kwargs), rec)
         self.fw_stack.pop()
         self.fw_post_order.append(fqn)
         self._register_bw_pre(mod, output, rec)
@@ -416,6 +457,8 @@ class StepRecorder(TorchDispatchMode):
         def done(*_: Any) -> None:
             if rec is None or rec.bw_done or not self.recording or rec.event_bw_start < 0:
                 return
+            if rec.bw_post_fn is not done:
+                return  # superseded by a registration that also waits for keyword-argument gradients
             rec.bw_done = True
             self.close_segment("bw")
             rec.post_bw = self.snapshot()
@@ -426,6 +469,8 @@ class StepRecorder(TorchDispatchMode):
             if rec in self.bw_active:
                 self.bw_active.remove(rec)
 
+        if rec is not None:
+            rec.bw_post_fn = done
         if tensors:
             register_multi_grad_hook(tensors, done, mode="all")
         else:
@@ -449,7 +494,7 @@ class StepRecorder(TorchDispatchMode):
     def __enter__(self) -> "StepRecorder":
         self._handles = [
             register_module_forward_pre_hook(self._fw_pre),
-            register_module_forward_hook(self._fw_post, always_call=True),
+            register_module_forward_hook(self._fw_post, with_kwargs=True, always_call=True),
         ]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()

@@ -1,0 +1,73 @@
+"""How ops are named and matched across hosts (a leaf module: used by evaluate, apply and plan).
+
+An op is recognised inside one call of a module's forward by ``(family, occurrence)``: the family is the
+overload name (``"aten.mm.default"``), except that every attention kernel is the family ``"<attention>"``
+(CPU, flash, memory-efficient and cuDNN kernels differ by device) and every random op is ``"<random>"``
+(random ops are saved or recomputed together, and devices implement dropout with different ops).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ATTENTION = "<attention>"
+RANDOM = "<random>"
+
+_ATTENTION_NAMES = (
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+)
+
+
+def is_attention(name: str) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in _ATTENTION_NAMES)
+
+
+def resolve_op(name: str) -> Any:
+    """The ``torch.ops`` overload for a name like ``"aten.mm.default"`` (``None`` if unknown here)."""
+    ns, _, rest = name.partition(".")
+    packet_name, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), packet_name)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def is_random_op(func: Any) -> bool:
+    """Random in the SAC sense: draws numbers from the RNG (attention kernels only with dropout, handled apart)."""
+    if is_attention(str(func)):
+        return False
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def is_inplace_op(func: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def family(name: str, is_random: bool = False) -> str:
+    """The family an op is matched by (see module docstring)."""
+    if is_random:
+        return RANDOM
+    if is_attention(name):
+        return ATTENTION
+    return name
+
+
+def op_keys(ops: Any) -> list[tuple[str, int]]:
+    """``(family, occurrence)`` of each :class:`~sacplan.stats.OpStat` in a module call, in order."""
+    seen: dict[str, int] = {}
+    keys = []
+    for o in ops:
+        fam = family(o.name, o.is_random)
+        occ = seen.get(fam, 0)
+        seen[fam] = occ + 1
+        keys.append((fam, occ))
+    return keys
