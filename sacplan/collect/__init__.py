@@ -113,7 +113,7 @@ def collect(
     fmodel = _build_fake_model(model, preset, fake_mode, dtype)
     model_name = model_name or type(fmodel).__name__
     with fake_mode:
-        args = _make_inputs(inputs, preset, fake_mode, batch, seq)
+        args = _make_inputs(inputs, preset, fake_mode, batch, seq, dtype)
         if loss_fn is None and preset is not None:
             loss_fn = preset.loss_fn
         loss = loss_fn or default_loss
@@ -160,7 +160,10 @@ def collect(
     except (CollectionError, ConfigError, UnsupportedModelError):
         raise
     except Exception as e:  # name the module that was running
-        where = recorder.fw_stack[-1].fqn if recorder.fw_stack else (recorder.bw_active[-1].fqn if recorder.bw_active else "")
+        if recorder.failed_in is not None and recorder.failed_in[1] is e:
+            where = recorder.failed_in[0]  # the forward hooks have unwound fw_stack by now
+        else:
+            where = recorder.fw_stack[-1].fqn if recorder.fw_stack else (recorder.bw_active[-1].fqn if recorder.bw_active else "")
         raise CollectionError(
             f"the fake training step failed in module {where or '<top level>'!r} "
             f"({type(fmodel).__name__}): {type(e).__name__}: {e}. If the model's constructor or forward needs real "
@@ -200,7 +203,8 @@ def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def _build_fake_model(model: ModelArg, preset: Any, fake_mode: FakeTensorMode, dtype: torch.dtype | None) -> nn.Module:
     if preset is not None:
-        factory: Callable[[], nn.Module] | None = lambda: preset.build()  # noqa: E731
+        # The preset casts itself (Llama keeps its rotary table in float32, as a real bf16 run does).
+        factory: Callable[[], nn.Module] | None = lambda: preset.build(dtype=dtype)  # noqa: E731
     elif isinstance(model, nn.Module):
         factory = None
     elif callable(model):
@@ -212,23 +216,57 @@ def _build_fake_model(model: ModelArg, preset: Any, fake_mode: FakeTensorMode, d
         try:
             with torch.device("meta"):
                 m = factory()
-        except Exception:
-            with fake_mode:
-                m = factory()
+        except Exception as on_meta:
+            try:
+                with fake_mode:
+                    m = factory()
+            except ConfigError:
+                raise  # the factory's own argument checks (e.g. a bad model config)
+            except Exception as on_fake:
+                raise CollectionError(
+                    f"the model factory failed on the meta device ({type(on_meta).__name__}: {on_meta}) and on fake "
+                    f"tensors ({type(on_fake).__name__}: {on_fake}); typically its constructor reads tensor data (.item(), "
+                    ".tolist(), numpy). Skip that initialisation when the weights are on 'meta' (weights are never "
+                    "read during collection), or build the model yourself and pass the nn.Module."
+                ) from on_fake
         if not isinstance(m, nn.Module):
             raise ConfigError(f"the model factory returned {type(m).__name__}, not an nn.Module")
     else:
         m = _meta_copy(model)  # type: ignore[arg-type]
-    if dtype is not None and any(t.is_meta for t in _tensors_of(m)):
+    if dtype is not None and preset is None and any(t.is_meta for t in _tensors_of(m)):
         m = m.to(dtype)  # cast on meta: free, and avoids swapping fake tensors later
     with fake_mode:
         if any(t.is_meta for t in _tensors_of(m)):
-            m = m.to_empty(device="cpu")
+            m = _to_empty_keep_ties(m)
         if dtype is not None and any(t.is_floating_point() and t.dtype != dtype for t in m.parameters()):
             raise UnsupportedModelError(
                 f"could not cast the model to {dtype}: build it in that dtype, or pass dtype=None"
             )
     m.train()
+    return m
+
+
+def _to_empty_keep_ties(m: nn.Module) -> nn.Module:
+    """``m.to_empty(device="cpu")`` keeping shared (tied) parameters and buffers shared.
+
+    ``Module.to_empty`` replaces each module's tensors one slot at a time, so a weight shared by two modules
+    (tied embeddings) would become two tensors: twice the parameter, gradient and optimizer bytes.
+    """
+    groups: dict[tuple[str, int], list[tuple[nn.Module, str]]] = {}
+    for mod in m.modules():
+        for kind, slots in (("p", mod._parameters), ("b", mod._buffers)):
+            for name, t in slots.items():
+                if t is not None:
+                    groups.setdefault((kind, id(t)), []).append((mod, name))
+    m = m.to_empty(device="cpu")
+    for (kind, _), members in groups.items():
+        if len(members) > 1:
+            first_mod, first_name = members[0]
+            for mod, name in members[1:]:
+                if kind == "p":
+                    mod._parameters[name] = first_mod._parameters[name]
+                else:
+                    mod._buffers[name] = first_mod._buffers[name]
     return m
 
 
@@ -252,11 +290,15 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _make_inputs(inputs: Any, preset: Any, fake_mode: FakeTensorMode, batch: int | None, seq: int | None) -> tuple:
+def _make_inputs(
+    inputs: Any, preset: Any, fake_mode: FakeTensorMode, batch: int | None, seq: int | None, dtype: torch.dtype | None = None
+) -> tuple:
     if inputs is None:
         if preset is None:
             raise ConfigError("inputs are required unless the model is a built-in preset name")
-        args = preset.example_inputs(batch or preset.default_batch, seq)
+        # Floating-point example inputs (images) in the model's dtype: a bf16 model fed fp32 images fails on a
+        # real device, while fake tensors would silently run it in fp32 (fp32-sized activations).
+        args = preset.example_inputs(batch or preset.default_batch, seq, dtype=dtype)
     elif callable(inputs) and not isinstance(inputs, torch.Tensor):
         args = inputs()
     else:

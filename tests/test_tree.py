@@ -1,0 +1,140 @@
+"""ModuleTree: structure from collected stats, JSON round trip, PyTorch ModuleInfo adapter, bad trees."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from sacplan.collect import collect
+from sacplan.devices import CPU
+from sacplan.errors import ConfigError
+from sacplan.tree import ModuleTree
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.blk = Inner()
+        self.shared = nn.Linear(8, 8)
+        self.post = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x):
+        h = self.shared(self.shared(self.blk(self.pre(x))))
+        return self.post(h)
+
+
+@pytest.fixture(scope="module")
+def stats():
+    return collect(Nested(), (torch.randn(4, 8),), device=CPU)
+
+
+@pytest.fixture(scope="module")
+def tree(stats):
+    return ModuleTree(stats)
+
+
+def test_structure(tree):
+    assert tree.fqns == ("", "pre", "blk", "blk.a", "blk.b", "shared", "post", "post.0", "post.1")
+    expect = {
+        # fqn: (parent fqn, children fqns, depth, leaf)
+        "": (None, ("pre", "blk", "shared", "post"), 0, False),
+        "pre": ("", (), 1, True),
+        "blk": ("", ("blk.a", "blk.b"), 1, False),
+        "blk.a": ("blk", (), 2, True),
+        "blk.b": ("blk", (), 2, True),
+        "shared": ("", (), 1, True),
+        "post": ("", ("post.0", "post.1"), 1, False),
+        "post.0": ("post", (), 2, True),
+        "post.1": ("post", (), 2, True),
+    }
+    for fqn, (parent, children, depth, leaf) in expect.items():
+        n = tree.node(fqn)
+        assert (tree.nodes[n.parent].fqn if n.parent is not None else None) == parent, fqn
+        assert tuple(tree.nodes[c].fqn for c in n.children) == children, fqn
+        assert (n.depth, n.is_leaf) == (depth, leaf), fqn
+        assert n.stats.fqn == fqn and n.is_leaf == n.stats.is_leaf
+    assert tree.root.fqn == "" and len(tree) == 9 and "blk.a" in tree and "nope" not in tree
+    assert [n.fqn for n in tree.descendants("blk")] == ["blk.a", "blk.b"]
+    assert [n.fqn for n in tree.ancestors("blk.b")] == ["blk", ""]
+    assert tree.node("blk").subtree_end == tree.index_of("shared")
+    assert tree.root.is_ancestor_of(tree.node("post.1")) and not tree.node("blk").is_ancestor_of(tree.node("post"))
+    assert [n.fqn for n in tree.leaves()] == ["pre", "blk.a", "blk.b", "shared", "post.0", "post.1"]
+    assert tree.node("shared").stats.calls == 2
+
+
+def test_unknown_fqn_names_close_matches(tree):
+    with pytest.raises(ConfigError, match="blk.a"):
+        tree.node("blk.aa")
+
+
+def test_dict_round_trip(tree):
+    d = tree.to_dict()
+    again = ModuleTree.from_dict(d)
+    assert again.to_dict() == d
+    via_json = ModuleTree.from_dict(json.loads(json.dumps(d)))
+    assert via_json.to_dict() == d
+    assert via_json.stats == tree.stats  # every number survives, frozen dataclasses compare by value
+    assert via_json.fqns == tree.fqns
+
+
+def test_from_dict_rejects_other_documents(tree):
+    with pytest.raises(ConfigError, match="schema"):
+        ModuleTree.from_dict({"stats": {}})
+    newer = dict(tree.to_dict(), version=99)
+    with pytest.raises(ConfigError, match="newer"):
+        ModuleTree.from_dict(newer)
+
+
+def test_torch_module_info_parses(tree):
+    from torch.distributed._tools.ilp_utils import parse_module_info
+
+    info = tree.to_torch_module_info()
+    assert len(info["mod_stats"]) == len(tree)
+    # a module called twice appears once in the reference's orders
+    assert info["mod_order"]["fw_pre_order"].count("Nested.shared") == 1
+    graph = parse_module_info(info)
+    assert len(graph.nodes) == len(tree)
+    assert graph.nodes[0]["fqn"] == "Nested"
+    # ancestor/descendant matrix: the root is above everything, blk above blk.a and blk.b only
+    i_blk = [n["fqn"] for n in graph.nodes].index("Nested.blk")
+    assert all(graph.ad_matrix[0][j] == 1 for j in range(len(tree)))
+    assert [graph.ad_matrix[i_blk][j] for j in range(len(tree))] == [0, 0, 1, 1, 1, 0, 0, 0, 0]
+    root = info["mod_stats"][0]
+    assert root["param_per_module"] == tree.stats.param_bytes
+    assert root["act_fw_per_module"] == tree.root.stats.act_bytes[0]
+    assert ModuleTree.torch_fqn_to_sacplan("Nested.blk.a") == "blk.a"
+    assert ModuleTree.torch_fqn_to_sacplan("Nested") == ""
+
+
+def _with_modules(stats, modules):
+    return dataclasses.replace(stats, modules=tuple(modules))
+
+
+def test_bad_trees_raise_config_error(stats):
+    mods = list(stats.modules)
+    orphan = dataclasses.replace(mods[3], parent="nowhere")
+    with pytest.raises(ConfigError, match="nowhere"):
+        ModuleTree(_with_modules(stats, mods[:3] + [orphan] + mods[4:]))
+    with pytest.raises(ConfigError, match="twice"):
+        ModuleTree(_with_modules(stats, mods + [mods[1]]))
+    with pytest.raises(ConfigError, match="pre-order"):
+        ModuleTree(_with_modules(stats, [mods[0], mods[3], mods[2]] + mods[4:]))  # blk.a before blk
+    with pytest.raises(ConfigError, match="root"):
+        ModuleTree(_with_modules(stats, mods + [dataclasses.replace(mods[1], fqn="other", parent=None)]))
+    with pytest.raises(ConfigError, match="no modules"):
+        ModuleTree(_with_modules(stats, []))
