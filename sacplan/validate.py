@@ -164,7 +164,17 @@ def _cpu_profiled_peak(fn: Callable[[], None], live_at_start: int) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    all_events = list(prof.profiler.kineto_results.events())
+    # Only the step's own thread: collective back-ends (gloo) allocate scratch on their worker threads.
+    from collections import Counter
+
+    ops = Counter(e.start_thread_id() for e in all_events if e.name() != "[memory]")
+    main = ops.most_common(1)[0][0] if ops else None
+    events = [
+        e for e in all_events
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        and (main is None or e.start_thread_id() == main)
+    ]
     events.sort(key=lambda e: e.start_ns())
     cur = peak = 0
     for e in events:

@@ -1,0 +1,419 @@
+"""The result of planning: which modules to checkpoint, how much of each to discard, which ops to save.
+
+A :class:`Plan` is what :func:`sacplan.solve.solve` returns and what ``apply``/``validate``/``export`` read.
+Every field is JSON-able through :meth:`Plan.to_dict` / :meth:`Plan.from_dict` (sizes in int bytes,
+times in float milliseconds).
+
+Saving and loading plan files (versioned JSON, written atomically) lives in the section at the end of this
+file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from sacplan.errors import PlanError
+
+#: Version of the dict layout produced by :meth:`Plan.to_dict`.
+PLAN_SCHEMA_VERSION = 1
+
+_GiB = 2**30
+
+
+def _json_float(x: float) -> float | str:
+    """Floats for JSON: inf/nan spelled as strings (JSON has no literal for them)."""
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def _float(x: Any) -> float:
+    return float(x)  # float("inf") / float("nan") parse the strings written by _json_float
+
+
+@dataclass(frozen=True)
+class ModuleDecision:
+    """How one module is checkpointed.
+
+    Attributes:
+        fqn: module name (root ``""``).
+        checkpoint: always True for a decision in a plan (modules not listed are not checkpointed).
+        discard_ratio: fraction of the module's discardable activation bytes (``A``, per call) discarded,
+            as realised (``discard_bytes / A``; ≥ the MILP's ratio after op-level rounding).
+        discard_bytes: bytes discarded per call, as realised.
+        recompute_ms: recomputation time over all calls in one step (op-level value when realised).
+        recompute_flops: FLOPs recomputed over all calls in one step.
+        saved_ops: ``(index, name, occurrence)`` of the forward ops whose outputs are *saved* under selective
+            checkpointing; ``None`` means no op-level policy: a full checkpoint (save nothing) when
+            ``discard_ratio == 1``, otherwise a ratio-only decision (``op_level=False``) that ``apply``
+            realises itself.
+        calls: forward calls of the module per step.
+    """
+
+    fqn: str
+    checkpoint: bool = True
+    discard_ratio: float = 1.0
+    discard_bytes: int = 0
+    recompute_ms: float = 0.0
+    recompute_flops: int = 0
+    saved_ops: tuple[tuple[int, str, int], ...] | None = None
+    calls: int = 1
+
+    @property
+    def full_checkpoint(self) -> bool:
+        """True when nothing is saved inside the module (plain ``torch.utils.checkpoint``)."""
+        return self.saved_ops is None and self.discard_ratio >= 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "checkpoint": self.checkpoint,
+            "discard_ratio": self.discard_ratio,
+            "discard_bytes": self.discard_bytes,
+            "recompute_ms": self.recompute_ms,
+            "recompute_flops": self.recompute_flops,
+            "saved_ops": None if self.saved_ops is None else [list(op) for op in self.saved_ops],
+            "calls": self.calls,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModuleDecision":
+        try:
+            ops = d.get("saved_ops")
+            return cls(
+                fqn=str(d["fqn"]),
+                checkpoint=bool(d.get("checkpoint", True)),
+                discard_ratio=float(d["discard_ratio"]),
+                discard_bytes=int(d["discard_bytes"]),
+                recompute_ms=float(d["recompute_ms"]),
+                recompute_flops=int(d.get("recompute_flops", 0)),
+                saved_ops=None if ops is None else tuple((int(i), str(n), int(o)) for i, n, o in ops),
+                calls=int(d.get("calls", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"invalid module decision {dict(d)!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A selective activation checkpointing plan for one model, target device, world size and budget.
+
+    Attributes:
+        decisions: checkpointed modules in forward pre-order.
+        budget_bytes: the memory budget the plan was solved for.
+        predicted_peak_bytes: predicted per-rank peak with the plan applied (realised discards).
+        baseline_peak_bytes: predicted per-rank peak without checkpointing (same world size).
+        recompute_ms: realised extra recomputation per step (sum over decisions).
+        baseline_step_ms: estimated step time without checkpointing.
+        status: ``"optimal"``, ``"time_limit"`` (best plan found, see ``gap``) or ``"not needed"``.
+        objective_ms: the module-level MILP objective (trade-off upper bound of the recompute time).
+        bound_ms: the solver's best lower bound on that objective.
+        gap: relative gap ``(objective - bound) / objective`` (0 when proven optimal to tolerance).
+        solver: back-end used (``"cbc"``, ``"highs"`` or ``""`` when no solve was needed).
+        build_s, solve_s: seconds spent building and solving the MILP(s).
+        world_size: ranks the sizes are per.
+        device_name, model_name, fingerprint: provenance (the model's :class:`ModelStats`).
+        per_module_peak: predicted peak bytes over each module's timeline events with the plan applied.
+        min_feasible_bytes: smallest feasible budget when it was computed, else ``None``.
+        meta: free-form details (problem sizes, candidate count, solver logs summary, ...).
+    """
+
+    decisions: tuple[ModuleDecision, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    recompute_ms: float
+    baseline_step_ms: float
+    status: str
+    objective_ms: float
+    bound_ms: float
+    gap: float
+    solver: str
+    build_s: float
+    solve_s: float
+    world_size: int
+    device_name: str
+    model_name: str
+    fingerprint: str
+    per_module_peak: Mapping[str, int] = field(default_factory=dict)
+    min_feasible_bytes: int | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decisions", tuple(self.decisions))
+        object.__setattr__(self, "per_module_peak", MappingProxyType(dict(self.per_module_peak)))
+        object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
+
+    # -- queries ------------------------------------------------------------------------------------
+    def decisions_dict(self) -> dict[str, float]:
+        """``{fqn: discard_ratio}`` of checkpointed modules (PyTorch ``sac_milp``'s first return value)."""
+        return {d.fqn: d.discard_ratio for d in self.decisions}
+
+    def decision(self, fqn: str) -> ModuleDecision | None:
+        for d in self.decisions:
+            if d.fqn == fqn:
+                return d
+        return None
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        return tuple(d.fqn for d in self.decisions)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Peak bytes the plan saves relative to no checkpointing."""
+        return self.baseline_peak_bytes - self.predicted_peak_bytes
+
+    @property
+    def overhead(self) -> float:
+        """Recompute time as a fraction of the baseline step time."""
+        return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
+
+    def summary(self) -> str:
+        """A human-readable table of the plan."""
+        lines = [
+            f"SAC plan for {self.model_name or '<model>'} on {self.device_name or '<device>'} "
+            f"(world size {self.world_size})",
+            f"  budget    {self.budget_bytes / _GiB:9.3f} GiB",
+            f"  baseline  {self.baseline_peak_bytes / _GiB:9.3f} GiB peak (no checkpointing)",
+            f"  predicted {self.predicted_peak_bytes / _GiB:9.3f} GiB peak "
+            f"({(self.baseline_peak_bytes - self.predicted_peak_bytes) / _GiB:+.3f} GiB saved)",
+            f"  recompute {self.recompute_ms:9.3f} ms/step"
+            + (f" ({100 * self.overhead:.1f}% of the {self.baseline_step_ms:.2f} ms step)" if self.baseline_step_ms else ""),
+            f"  solver    {self.solver or '-'}: {self.status}"
+            + (f", gap {100 * self.gap:.4f}%" if self.solver and math.isfinite(self.gap) else "")
+            + (f", objective {self.objective_ms:.3f} ms, bound {self.bound_ms:.3f} ms" if self.solver else "")
+            + f" (build {self.build_s:.2f} s, solve {self.solve_s:.2f} s)",
+        ]
+        if self.min_feasible_bytes is not None:
+            lines.append(f"  minimum feasible budget {self.min_feasible_bytes / _GiB:.3f} GiB")
+        if not self.decisions:
+            lines.append("  no module is checkpointed")
+            return "\n".join(lines)
+        w = max(6, max(len(d.fqn or "<root>") for d in self.decisions))
+        lines.append("")
+        lines.append(f"  {'module':<{w}}  {'calls':>5}  {'discard':>8}  {'freed GiB':>10}  {'recompute ms':>12}  policy")
+        for d in self.decisions:
+            policy = (
+                "full"
+                if d.full_checkpoint
+                else ("ratio only" if d.saved_ops is None else f"save {len(d.saved_ops)} op(s)")
+            )
+            lines.append(
+                f"  {d.fqn or '<root>':<{w}}  {d.calls:>5}  {100 * d.discard_ratio:7.2f}%  "
+                f"{d.discard_bytes * d.calls / _GiB:10.3f}  {d.recompute_ms:12.3f}  {policy}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    # -- dict round trip ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (``from_dict`` inverts it)."""
+        d: dict[str, Any] = {"schema": "sacplan.plan", "version": PLAN_SCHEMA_VERSION}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "decisions":
+                v = [x.to_dict() for x in v]
+            elif f.name in ("per_module_peak",):
+                v = {k: int(x) for k, x in v.items()}
+            elif f.name == "meta":
+                v = _jsonable(v)
+            elif isinstance(v, float):
+                v = _json_float(v)
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if d.get("schema", "sacplan.plan") != "sacplan.plan":
+            raise PlanError(f"not a sacplan plan (schema {d.get('schema')!r})")
+        if int(d.get("version", PLAN_SCHEMA_VERSION)) > PLAN_SCHEMA_VERSION:
+            raise PlanError(
+                f"plan version {d.get('version')} is newer than this sacplan supports ({PLAN_SCHEMA_VERSION}); "
+                "upgrade sacplan"
+            )
+        try:
+            mfb = d.get("min_feasible_bytes")
+            return cls(
+                decisions=tuple(ModuleDecision.from_dict(x) for x in d["decisions"]),
+                budget_bytes=int(d["budget_bytes"]),
+                predicted_peak_bytes=int(d["predicted_peak_bytes"]),
+                baseline_peak_bytes=int(d["baseline_peak_bytes"]),
+                recompute_ms=_float(d["recompute_ms"]),
+                baseline_step_ms=_float(d["baseline_step_ms"]),
+                status=str(d["status"]),
+                objective_ms=_float(d["objective_ms"]),
+                bound_ms=_float(d["bound_ms"]),
+                gap=_float(d["gap"]),
+                solver=str(d["solver"]),
+                build_s=_float(d["build_s"]),
+                solve_s=_float(d["solve_s"]),
+                world_size=int(d["world_size"]),
+                device_name=str(d["device_name"]),
+                model_name=str(d["model_name"]),
+                fingerprint=str(d["fingerprint"]),
+                per_module_peak={str(k): int(v) for k, v in d.get("per_module_peak", {}).items()},
+                min_feasible_bytes=None if mfb is None else int(mfb),
+                meta=dict(d.get("meta", {})),
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"invalid plan dict: {e}") from e
+
+
+def _jsonable(x: Any) -> Any:
+    """Mappings/sequences/floats made JSON-safe (tuples become lists, inf/nan strings)."""
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, float):
+        return _json_float(x)
+    try:  # numpy scalars
+        return _jsonable(x.item())
+    except AttributeError:
+        return str(x)
+
+
+# =========================================================================================================
+# Saving and loading plan files (Plan.save / load_plan): added separately; keep this section last.
+# =========================================================================================================
+
+#: Version of the plan *file* envelope written by :meth:`Plan.save`.
+PLAN_FILE_VERSION = 1
+_REQUIRED = (
+    "decisions", "budget_bytes", "predicted_peak_bytes", "baseline_peak_bytes", "recompute_ms", "baseline_step_ms",
+    "status", "objective_ms", "bound_ms", "gap", "solver", "build_s", "solve_s", "world_size", "device_name",
+    "model_name", "fingerprint",
+)
+
+
+def _save(self: Plan, path: Any) -> Any:
+    """Write the plan as versioned JSON at ``path``, atomically (temp file in the same folder + rename).
+
+    The file holds ``{"schema": "sacplan.plan-file", "version", "sacplan_version", "torch_version",
+    "created" (UTC ISO 8601), "input_shapes", "plan": Plan.to_dict()}``; see ``docs/plan-schema.md``.
+    Returns the path written.
+    """
+    import datetime
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    import sacplan
+
+    p = Path(path)
+    doc = {
+        "schema": "sacplan.plan-file",
+        "version": PLAN_FILE_VERSION,
+        "sacplan_version": sacplan.__version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "input_shapes": _jsonable(self.meta.get("input_shapes", [])),
+        "plan": self.to_dict(),
+    }
+    text = json.dumps(doc, indent=2, allow_nan=False)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return p
+
+
+Plan.save = _save  # type: ignore[attr-defined]
+
+
+def load_plan(path: Any, model: Any = None) -> Plan:
+    """Read a plan file written by :meth:`Plan.save`, validating its schema.
+
+    Args:
+        path: the JSON file.
+        model: optional ``nn.Module``; when given, the plan must match it (fingerprint and module names).
+
+    Raises:
+        PlanError: missing/damaged file, wrong schema, newer version, or an invalid field (named).
+        PlanMismatchError: ``model`` given and the plan is for another model (the module or field is named).
+    """
+    import json
+    from pathlib import Path
+
+    from sacplan.errors import PlanMismatchError
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {str(p)!r}: {e.strerror or e}") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan file {str(p)!r} is damaged (not valid JSON at line {e.lineno}, column {e.colno}): {e.msg}") from e
+    if not isinstance(doc, dict) or doc.get("schema") != "sacplan.plan-file":
+        raise PlanError(f"{str(p)!r} is not a sacplan plan file (missing schema 'sacplan.plan-file')")
+    version = doc.get("version")
+    if not isinstance(version, int):
+        raise PlanError(f"plan file {str(p)!r}: field 'version' must be an integer, got {version!r}")
+    if version > PLAN_FILE_VERSION:
+        raise PlanError(
+            f"plan file {str(p)!r} has version {version}, newer than this sacplan supports ({PLAN_FILE_VERSION}); "
+            "upgrade sacplan"
+        )
+    body = doc.get("plan")
+    if not isinstance(body, dict):
+        raise PlanError(f"plan file {str(p)!r}: field 'plan' is missing or not an object")
+    for name in _REQUIRED:
+        if name not in body:
+            raise PlanError(f"plan file {str(p)!r}: field 'plan.{name}' is missing")
+    if not isinstance(body["decisions"], list):
+        raise PlanError(f"plan file {str(p)!r}: field 'plan.decisions' must be a list")
+    for i, d in enumerate(body["decisions"]):
+        if not isinstance(d, dict) or "fqn" not in d:
+            raise PlanError(f"plan file {str(p)!r}: decision {i} has no 'fqn'")
+        r = d.get("discard_ratio")
+        if not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise PlanError(f"plan file {str(p)!r}: module {d['fqn']!r} has discard_ratio {r!r}, expected 0..1")
+        ops = d.get("saved_ops")
+        if ops is not None and (not isinstance(ops, list) or any(not isinstance(o, list) or len(o) != 3 for o in ops)):
+            raise PlanError(f"plan file {str(p)!r}: module {d['fqn']!r} has malformed saved_ops (want [index, name, occurrence])")
+    try:
+        plan = Plan.from_dict(body)
+    except PlanError as e:
+        raise PlanError(f"plan file {str(p)!r}: {e}") from e
+    if model is not None:
+        from sacplan.fingerprint import canonical_fqn, model_fingerprint
+
+        names = {canonical_fqn(n) for n, _ in model.named_modules()}
+        missing = [d.fqn for d in plan.decisions if d.fqn not in names]
+        if missing:
+            raise PlanMismatchError(f"plan file {str(p)!r} checkpoints module {missing[0]!r}, which this model does not have")
+        fp = model_fingerprint(model)
+        if plan.fingerprint and fp != plan.fingerprint:
+            raise PlanMismatchError(
+                f"plan file {str(p)!r} was made for another model: field 'fingerprint' is {plan.fingerprint}, "
+                f"this model's is {fp} (module names or parameter shapes differ)"
+            )
+    return plan

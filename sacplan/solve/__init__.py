@@ -1,0 +1,25 @@
+"""Solvers: the module-level SAC MILP, op-level selection and PyTorch-compatible ``sac_milp``.
+
+``solve(tree, budget)`` is the entry point; see :func:`sacplan.solve.milp.solve` for the memory model and
+the formulation.
+"""
+
+from sacplan.solve.backends import SOLVERS, MilpModel, SolveResult, solve_model
+from sacplan.solve.compat import sac_milp
+from sacplan.solve.milp import SacProblem, TimeLimitWarning, baseline_peak, min_feasible_budget, solve
+from sacplan.solve.ops import OpSelection, select_ops
+
+__all__ = [
+    "solve",
+    "sac_milp",
+    "select_ops",
+    "OpSelection",
+    "min_feasible_budget",
+    "baseline_peak",
+    "SacProblem",
+    "TimeLimitWarning",
+    "MilpModel",
+    "SolveResult",
+    "solve_model",
+    "SOLVERS",
+]

@@ -1,0 +1,1068 @@
+"""Module-level MILP: which modules to checkpoint and what fraction of each one's activations to discard.
+
+See :func:`solve` for the memory model and the formulation. The pieces:
+
+* :class:`SacProblem` reads a :class:`~sacplan.tree.ModuleTree` once (candidates, the step orders as
+  running-sum positions, the memory timeline with per-rank state scaling) and evaluates any decision
+  exactly in bytes (:meth:`SacProblem.peaks`);
+* :meth:`SacProblem.build` writes the budget MILP, :meth:`SacProblem.build_min_peak` the MILP whose
+  optimum is the smallest feasible budget;
+* :meth:`SacProblem.heuristic` finds a good feasible incumbent (LP relaxation, rounding, LP re-solve over
+  ratios) that the branch-and-bound starts from;
+* :func:`solve` ties it together, realises the ratios with op-level selection
+  (:func:`sacplan.solve.ops.select_ops`) and returns a :class:`~sacplan.plan.Plan`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
+from sacplan.plan import ModuleDecision, Plan
+from sacplan.solve.backends import (
+    INFEASIBLE,
+    TIME_LIMIT,
+    MilpModel,
+    SolveResult,
+    check_solver,
+    prove_by_lp_branching,
+    solve_model,
+)
+from sacplan.solve.ops import max_saved_bytes_for, select_ops
+from sacplan.tree import ModuleTree
+from sacplan.units import parse_budget
+
+GiB = float(2**30)
+
+_PHASES = {"fw": 0, "bw": 1, "rc": 2, "other": 3}
+FW, BW, RC, OTHER = 0, 1, 2, 3
+
+
+class TimeLimitWarning(UserWarning):
+    """The solver stopped at its time limit; the plan is the best found, with the gap stated."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module the MILP may checkpoint (``slot`` = its position among candidates, pre-order)."""
+
+    slot: int
+    node: int
+    fqn: str
+    calls: int
+    max_discard_bytes: int  # A (one call, the trade-off's)
+    act_bytes: tuple[int, ...]  # A_{i,c} per call
+    recompute_ms: float  # R (one call)
+    slopes: tuple[float, ...]
+    intercepts: tuple[float, ...]
+    parent_slot: int  # nearest candidate ancestor, -1 if none
+    has_child: bool  # some candidate lies below it
+
+    def cost(self, r: float, y: float = 1.0) -> float:
+        """MILP recompute ms over all calls: ``calls · R · max(0, max_s(slope_s·r + intercept_s·y))``."""
+        if y <= 0:
+            return 0.0
+        q = max([0.0] + [s * r + b * y for s, b in zip(self.slopes, self.intercepts)])
+        return self.calls * self.recompute_ms * q
+
+
+@dataclass
+class _Index:
+    """Column indices of one built model."""
+
+    y: list[int] = field(default_factory=list)
+    r: list[int] = field(default_factory=list)
+    q: list[int] = field(default_factory=list)
+    u: dict[int, int] = field(default_factory=dict)
+    K: list[int] = field(default_factory=list)
+    F: list[tuple[int, int]] = field(default_factory=list)  # (kc, column), kc ascending
+    G: list[tuple[int, int]] = field(default_factory=list)  # (kc, column), kc descending
+    P: int = -1
+    pruned_events: int = 0
+    kept_events: int = 0
+
+
+class SacProblem:
+    """Budget-independent view of a tree for the MILP (see :func:`solve` for the model).
+
+    Args:
+        tree: the collected module tree.
+        world_size: ranks to plan for (None: the tree's own ``stats.world_size``).
+        ac_units: allowed checkpoint units (None: every eligible module).
+        fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
+    """
+
+    def __init__(
+        self,
+        tree: ModuleTree,
+        world_size: int | None = None,
+        ac_units: Sequence[str] | None = None,
+        fsdp_units: Sequence[str] | None = None,
+    ) -> None:
+        stats = tree.stats
+        self.tree = tree
+        base_ws = max(1, int(stats.world_size))
+        if world_size is None:
+            world_size = base_ws
+        if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self.world_size = int(world_size)
+        #: state bytes kept per rank, relative to the collected ones
+        self.state_keep = base_ws / self.world_size
+        self.notes: list[str] = []
+        self.candidates = self._candidates(tree, ac_units, fsdp_units)
+        self._orders(tree)
+        self._events(tree)
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _candidates(
+        self, tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None
+    ) -> list[Candidate]:
+        if isinstance(ac_units, str) or isinstance(fsdp_units, str):
+            raise ConfigError("ac_units / fsdp_units must be lists of module names, not a single string")
+        named = None
+        if ac_units is not None:
+            named = {tree.node(f).index for f in ac_units}  # ConfigError with suggestions if unknown
+        blocked: set[int] = set()
+        for f in fsdp_units or ():
+            for a in tree.ancestors(f):  # ConfigError with suggestions if unknown
+                blocked.add(a.index)
+        post_calls: dict[str, int] = {}
+        for f in tree.stats.fw_post_order:
+            post_calls[f] = post_calls.get(f, 0) + 1
+        chosen: list[int] = []
+        for n in tree.nodes:
+            t = n.stats.tradeoff
+            if named is not None and n.index not in named:
+                continue
+            eligible = t is not None and t.max_discard_bytes > 0 and post_calls.get(n.fqn, 0) > 0
+            if named is None and (n.is_leaf or n.parent is None):
+                eligible = False  # leaves and the root only when named explicitly
+            if n.index in blocked:
+                if named is not None and eligible:
+                    self.notes.append(
+                        f"ac unit {n.fqn!r} is an ancestor of an FSDP unit and cannot be checkpointed"
+                    )
+                continue
+            if not eligible:
+                if named is not None:
+                    self.notes.append(f"ac unit {n.fqn!r} has no discardable activations and is skipped")
+                continue
+            chosen.append(n.index)
+        slot_of = {ni: s for s, ni in enumerate(chosen)}
+        has_child = [False] * len(chosen)
+        parents = []
+        for ni in chosen:
+            p = tree.nodes[ni].parent
+            while p is not None and p not in slot_of:
+                p = tree.nodes[p].parent
+            ps = -1 if p is None else slot_of[p]
+            parents.append(ps)
+            if ps >= 0:
+                has_child[ps] = True
+        out = []
+        for s, ni in enumerate(chosen):
+            n = tree.nodes[ni]
+            t = n.stats.tradeoff
+            assert t is not None
+            calls = post_calls[n.fqn]
+            if not t.slopes or len(t.slopes) != len(t.intercepts):
+                raise ConfigError(
+                    f"module {n.fqn!r}: its trade-off needs as many slopes as intercepts (and at least one line)"
+                )
+            env = envelope(t.slopes, t.intercepts)
+            act = tuple(int(a) for a in n.stats.act_bytes) or (int(t.max_discard_bytes),)
+            act = tuple(act[c] if c < len(act) else act[-1] for c in range(calls))
+            out.append(
+                Candidate(
+                    slot=s,
+                    node=ni,
+                    fqn=n.fqn,
+                    calls=calls,
+                    max_discard_bytes=int(t.max_discard_bytes),
+                    act_bytes=act,
+                    recompute_ms=float(t.full_recompute_ms),
+                    slopes=env[0],
+                    intercepts=env[1],
+                    parent_slot=parents[s],
+                    has_child=has_child[s],
+                )
+            )
+        return out
+
+    def _orders(self, tree: ModuleTree) -> None:
+        slot_by_fqn = {c.fqn: c for c in self.candidates}
+
+        def positions(order: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            seen: dict[str, int] = {}
+            slots, amts, kc = [], [], [0]
+            for f in order:
+                c = seen.get(f, 0)
+                seen[f] = c + 1
+                cand = slot_by_fqn.get(f)
+                if cand is not None and c < cand.calls:
+                    slots.append(cand.slot)
+                    amts.append(float(cand.act_bytes[c]))
+                    kc.append(kc[-1] + 1)
+                else:
+                    kc.append(kc[-1])
+            return np.asarray(slots, dtype=np.int64), np.asarray(amts, dtype=float), np.asarray(kc, dtype=np.int64)
+
+        st = tree.stats
+        #: candidate entries of fw_post_order: slot and bytes A_{i,c}; kc_fw[k] = candidate entries among the first k
+        self.fw_slot, self.fw_amt, self.kc_fw = positions(st.fw_post_order)
+        self.bw_slot, self.bw_amt, self.kc_bw = positions(st.bw_pre_order)
+
+    def _events(self, tree: ModuleTree) -> None:
+        st = tree.stats
+        events = list(st.events)
+        if not events:  # no timeline: the whole-step peak, unchanged by checkpointing
+            from sacplan.stats import MemoryEvent
+
+            events = [
+                MemoryEvent("other", "", 0, 0, 0, int(st.peak_bytes), int(st.peak_snapshot.state)),
+            ]
+        slot_by_fqn = {c.fqn: c.slot for c in self.candidates}
+        n = len(events)
+        self.ev_phase = np.empty(n, dtype=np.int64)
+        self.ev_k = np.zeros(n, dtype=np.int64)
+        self.ev_base = np.empty(n, dtype=float)
+        self.ev_extra = np.zeros(n, dtype=float)
+        self.ev_slot = np.full(n, -1, dtype=np.int64)
+        self.ev_module = [e.module for e in events]
+        shed = 1.0 - self.state_keep
+        nf, nb = len(st.fw_post_order), len(st.bw_pre_order)
+        for i, e in enumerate(events):
+            ph = _PHASES.get(e.phase)
+            if ph is None:
+                raise ConfigError(f"memory event {i} has unknown phase {e.phase!r} (expected fw, bw, rc or other)")
+            self.ev_base[i] = float(e.peak_bytes) - float(e.state_bytes) * shed
+            if ph == FW:
+                self.ev_k[i] = min(max(int(e.fw_done), 0), nf)
+            elif ph in (BW, RC):
+                self.ev_k[i] = min(max(int(e.bw_started), 0), nb)
+                if ph == RC:
+                    s = slot_by_fqn.get(e.module, -1)
+                    if s >= 0 and e.extra_bytes > 0:
+                        self.ev_slot[i] = s
+                        self.ev_extra[i] = float(e.extra_bytes)
+                    else:
+                        ph = BW
+            self.ev_phase[i] = ph
+
+    # -- exact evaluation -------------------------------------------------------------------------------
+    @property
+    def num_candidates(self) -> int:
+        return len(self.candidates)
+
+    def peaks(self, y: Sequence[float], r: Sequence[float], with_extra: bool = True) -> np.ndarray:
+        """Predicted bytes ``m_e`` at every event for checkpoint flags ``y`` and discard ratios ``r`` (per slot)."""
+        y = np.asarray(y, dtype=float).reshape(-1)
+        r = np.asarray(r, dtype=float).reshape(-1) * (y > 0.5)
+        m = self.ev_base.copy()
+        if self.num_candidates == 0:
+            return m
+        F = np.concatenate([[0.0], np.cumsum(self.fw_amt * r[self.fw_slot])])
+        B = np.concatenate([[0.0], np.cumsum(self.bw_amt * r[self.bw_slot])])
+        D = B[-1]
+        ph = self.ev_phase
+        fw = ph == FW
+        m[fw] -= F[self.kc_fw[self.ev_k[fw]]]
+        bw = (ph == BW) | (ph == RC)
+        m[bw] -= D - B[self.kc_bw[self.ev_k[bw]]]
+        rc = ph == RC
+        if with_extra and rc.any():
+            m[rc] += self.ev_extra[rc] * (y[self.ev_slot[rc]] > 0.5)
+        return m
+
+    def peak(self, y: Sequence[float], r: Sequence[float]) -> float:
+        return float(np.max(self.peaks(y, r)))
+
+    def baseline_peak(self) -> float:
+        """Peak without checkpointing (per rank, at this world size), bytes (float)."""
+        return float(np.max(self.ev_base))
+
+    def cost(self, y: Sequence[float], r: Sequence[float]) -> float:
+        """Trade-off (MILP) recompute ms of a decision."""
+        return float(sum(c.cost(float(r[c.slot]), float(y[c.slot] > 0.5)) for c in self.candidates))
+
+    def classes(self) -> list[tuple[tuple, list[int]]]:
+        """Candidates with identical numbers (calls, bytes per call, recompute ms, trade-off lines), by slot."""
+        groups: dict[tuple, list[int]] = {}
+        for c in self.candidates:
+            key = (c.calls, c.act_bytes, c.max_discard_bytes, c.recompute_ms, c.slopes, c.intercepts)
+            groups.setdefault(key, []).append(c.slot)
+        return sorted(groups.items(), key=lambda kv: kv[1][0])
+
+    def nesting_ok(self, y: Sequence[float]) -> bool:
+        for c in self.candidates:
+            if y[c.slot] > 0.5:
+                p = c.parent_slot
+                while p >= 0:
+                    if y[p] > 0.5:
+                        return False
+                    p = self.candidates[p].parent_slot
+        return True
+
+    def lower_bound_peak(self) -> float:
+        """A quick lower bound of the smallest achievable peak: every candidate fully discarded at once
+        (nesting ignored) and no recompute extras."""
+        ones = np.ones(self.num_candidates)
+        return float(np.max(self.peaks(ones, ones, with_extra=False)))
+
+    # -- event selection ----------------------------------------------------------------------------------
+    def _select_events(self, budget: float | None) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, int, float, float]], float, int]:
+        """Constraints that remain after pruning and dominance.
+
+        Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
+        [(kc, slot, need, extra)], the largest ``other`` need, and the number of events dropped. ``need`` is
+        ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
+        """
+        b = 0.0 if budget is None else float(budget)
+        need = self.ev_base - b
+        ph = self.ev_phase
+        n_total = len(need)
+        other = float(np.max(need[ph == OTHER])) if np.any(ph == OTHER) else -math.inf
+        prune = budget is not None
+        # forward: F non-decreasing in kc -> keep strictly increasing needs along kc
+        fw_best: dict[int, float] = {}
+        sel = np.nonzero((ph == FW) & ((need > 0) if prune else True))[0]
+        for i in sel:
+            kc = int(self.kc_fw[self.ev_k[i]])
+            if need[i] > fw_best.get(kc, -math.inf):
+                fw_best[kc] = float(need[i])
+        fw, run = [], -math.inf
+        for kc in sorted(fw_best):
+            if fw_best[kc] > run:
+                fw.append((kc, fw_best[kc]))
+                run = fw_best[kc]
+        # backward: G (discards not yet re-materialised) non-increasing in kc
+        bw_best: dict[int, float] = {}
+        sel = np.nonzero((ph == BW) & ((need > 0) if prune else True))[0]
+        for i in sel:
+            kc = int(self.kc_bw[self.ev_k[i]])
+            if need[i] > bw_best.get(kc, -math.inf):
+                bw_best[kc] = float(need[i])
+        bw, run = [], -math.inf
+        for kc in sorted(bw_best, reverse=True):
+            if bw_best[kc] > run:
+                bw.append((kc, bw_best[kc]))
+                run = bw_best[kc]
+        # recompute events: Pareto-maximal (need, extra) per (kc, slot)
+        groups: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        sel = np.nonzero((ph == RC) & (((need + self.ev_extra) > 0) if prune else True))[0]
+        for i in sel:
+            key = (int(self.kc_bw[self.ev_k[i]]), int(self.ev_slot[i]))
+            groups.setdefault(key, []).append((float(need[i]), float(self.ev_extra[i])))
+        rc = []
+        for key in sorted(groups):
+            best_extra = -math.inf
+            for nd, ex in sorted(groups[key], key=lambda t: (-t[0], -t[1])):
+                if ex > best_extra:
+                    rc.append((key[0], key[1], nd, ex))
+                    best_extra = ex
+        kept = len(fw) + len(bw) + len(rc) + (1 if other > -math.inf else 0)
+        return fw, bw, rc, other, n_total - kept
+
+    # -- model building -------------------------------------------------------------------------------------
+    def _base_columns(self, model: MilpModel, idx: _Index, with_cost: bool) -> None:
+        for c in self.candidates:
+            idx.y.append(model.add_col(f"y{c.slot}", 0.0, 1.0, True))
+            idx.r.append(model.add_col(f"r{c.slot}", 0.0, 1.0))
+        for c in self.candidates:
+            s = c.slot
+            model.add_row(f"ry{s}", [idx.r[s], idx.y[s]], [1.0, -1.0], ub=0.0)
+        # no nested checkpointing: U_i = U_parent + y_i <= 1 along candidate chains
+        for c in self.candidates:
+            s = c.slot
+            if c.parent_slot < 0:
+                continue
+            p = c.parent_slot
+            up = idx.u.get(p, idx.y[p])
+            if c.has_child:
+                idx.u[s] = model.add_col(f"u{s}", 0.0, 1.0)
+                model.add_row(f"nest{s}", [idx.u[s], up, idx.y[s]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
+            else:
+                model.add_row(f"nest{s}", [up, idx.y[s]], [1.0, 1.0], ub=1.0)
+        if with_cost:
+            # Identical candidates (repeated blocks) form a class; K = Σ_{class} y is integer. The row is
+            # redundant (valid for any grouping) but lets branch-and-bound branch on *how many* blocks to
+            # checkpoint instead of on which, the source of the symmetric stall.
+            for key, members in self.classes():
+                if len(members) < 2:
+                    continue
+                k = model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
+                idx.K.append(k)
+                model.add_row(f"Kdef{members[0]}", [k] + [idx.y[s] for s in members], [1.0] + [-1.0] * len(members), lb=0.0, ub=0.0)
+            for c in self.candidates:
+                s = c.slot
+                w = c.calls * c.recompute_ms
+                idx.q.append(model.add_col(f"q{s}", 0.0, math.inf, False, w))
+                for li, (sl, ic) in enumerate(zip(c.slopes, c.intercepts)):
+                    if sl <= 0 and ic <= 0:
+                        continue  # implied by q >= 0
+                    model.add_row(f"line{s}_{li}", [idx.q[s], idx.r[s], idx.y[s]], [1.0, -sl, -ic], lb=0.0)
+
+    def _sums(
+        self,
+        model: MilpModel,
+        idx: _Index,
+        fw_kcs: Sequence[int],
+        bw_kcs: Sequence[int],
+        fw_lb: dict[int, float],
+        bw_lb: dict[int, float],
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised)."""
+        Fcol: dict[int, int] = {}
+        prev_col, prev_kc = -1, 0
+        for kc in sorted(set(fw_kcs)):
+            col = model.add_col(f"F{kc}", max(0.0, fw_lb.get(kc, 0.0)), math.inf)
+            ind, val = [col], [1.0]
+            if prev_col >= 0:
+                ind.append(prev_col)
+                val.append(-1.0)
+            for p in range(prev_kc, kc):
+                ind.append(idx.r[int(self.fw_slot[p])])
+                val.append(-self.fw_amt[p] / GiB)
+            model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
+            Fcol[kc] = col
+            idx.F.append((kc, col))
+            prev_col, prev_kc = col, kc
+        Gcol: dict[int, int] = {}
+        total = len(self.bw_slot)
+        prev_col, prev_kc = -1, total
+        for kc in sorted(set(bw_kcs), reverse=True):
+            col = model.add_col(f"G{kc}", max(0.0, bw_lb.get(kc, 0.0)), math.inf)
+            ind, val = [col], [1.0]
+            if prev_col >= 0:
+                ind.append(prev_col)
+                val.append(-1.0)
+            for p in range(kc, prev_kc):
+                ind.append(idx.r[int(self.bw_slot[p])])
+                val.append(-self.bw_amt[p] / GiB)
+            model.add_row(f"Gdef{kc}", ind, val, lb=0.0, ub=0.0)
+            Gcol[kc] = col
+            idx.G.append((kc, col))
+            prev_col, prev_kc = col, kc
+        return Fcol, Gcol
+
+    def build(self, budget: float) -> tuple[MilpModel, _Index, bool]:
+        """The budget MILP (minimise recompute ms). Returns (model, index, trivially_infeasible)."""
+        fw, bw, rc, other, pruned = self._select_events(budget)
+        model = MilpModel(name="sacplan_sac")
+        idx = _Index(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
+        self._base_columns(model, idx, with_cost=True)
+        infeasible = other > 0 or any(kc == 0 for kc, _ in fw) or any(
+            kc == len(self.bw_slot) and nd > 0 for kc, nd in bw
+        )
+        Fcol, Gcol = self._sums(
+            model,
+            idx,
+            [kc for kc, _ in fw],
+            [kc for kc, _ in bw] + [kc for kc, _, _, _ in rc],
+            {kc: nd / GiB for kc, nd in fw},
+            {kc: nd / GiB for kc, nd in bw},
+        )
+        for kc, s, nd, ex in rc:
+            model.add_row(f"rc{kc}_{s}", [Gcol[kc], idx.y[s]], [1.0, -ex / GiB], lb=nd / GiB)
+        return model, idx, infeasible
+
+    def build_min_peak(self) -> tuple[MilpModel, _Index]:
+        """The MILP minimising the predicted peak P (GiB) under the same structural constraints."""
+        fw, bw, rc, other, pruned = self._select_events(None)
+        model = MilpModel(name="sacplan_minpeak")
+        idx = _Index(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
+        self._base_columns(model, idx, with_cost=False)
+        lbP = max([0.0, other / GiB if other > -math.inf else 0.0])
+        idx.P = model.add_col("P", lbP, math.inf, False, 1.0)
+        Fcol, Gcol = self._sums(
+            model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, _, _, _ in rc], {}, {}
+        )
+        for kc, base in fw:
+            model.add_row(f"pf{kc}", [Fcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
+        for kc, base in bw:
+            model.add_row(f"pb{kc}", [Gcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
+        for kc, s, base, ex in rc:
+            model.add_row(f"pr{kc}_{s}", [Gcol[kc], idx.y[s], idx.P], [1.0, -ex / GiB, 1.0], lb=base / GiB)
+        return model, idx
+
+    # -- solutions ----------------------------------------------------------------------------------------
+    def columns_for(self, model: MilpModel, idx: _Index, y: Sequence[float], r: Sequence[float]) -> list[float]:
+        """A full column vector for decision (y, r) (q, u, F, G, P filled in consistently)."""
+        x = [0.0] * model.num_cols
+        y = [1.0 if v > 0.5 else 0.0 for v in y]
+        r = [float(min(1.0, max(0.0, rv))) * yv for rv, yv in zip(r, y)]
+        for c in self.candidates:
+            s = c.slot
+            x[idx.y[s]] = y[s]
+            x[idx.r[s]] = r[s]
+            if idx.q:
+                x[idx.q[s]] = max([0.0] + [sl * r[s] + ic * y[s] for sl, ic in zip(c.slopes, c.intercepts)])
+        if idx.K:
+            ks = [members for _, members in self.classes() if len(members) >= 2]
+            for col, members in zip(idx.K, ks):
+                x[col] = float(sum(y[s] for s in members))
+        for c in self.candidates:  # pre-order: parents first
+            if c.slot in idx.u:
+                p = c.parent_slot
+                up = x[idx.u[p]] if p in idx.u else y[p]
+                x[idx.u[c.slot]] = up + y[c.slot]
+        ra = np.asarray(r)
+        if len(self.fw_slot):
+            F = np.concatenate([[0.0], np.cumsum(self.fw_amt * ra[self.fw_slot] / GiB)])
+            for kc, col in idx.F:
+                x[col] = float(F[kc])
+        if len(self.bw_slot):
+            B = np.concatenate([[0.0], np.cumsum(self.bw_amt * ra[self.bw_slot] / GiB)])
+            for kc, col in idx.G:
+                x[col] = float(B[-1] - B[kc])
+        if idx.P >= 0:
+            x[idx.P] = self.peak(y, r) / GiB
+        return x
+
+    def decision_from(self, idx: _Index, x: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+        y = np.array([1.0 if x[j] > 0.5 else 0.0 for j in idx.y])
+        r = np.array([min(1.0, max(0.0, x[j])) for j in idx.r]) * y
+        return y, r
+
+    def repair(self, y: np.ndarray, r: np.ndarray, budget: float, max_iter: int | None = None) -> np.ndarray | None:
+        """Raise discard ratios of checkpointed modules until every event fits ``budget`` exactly in bytes.
+
+        Solvers work to a feasibility tolerance (~1 byte here); this removes such tiny violations (it only
+        ever raises ratios, which lowers every event). Returns the repaired ratios, or None if impossible.
+        """
+        r = r.copy()
+        max_iter = max_iter or (4 * len(self.ev_base) + 16)
+        for _ in range(max_iter):
+            m = self.peaks(y, r)
+            e = int(np.argmax(m))
+            viol = m[e] - budget
+            if viol <= 0:
+                return r
+            ph, k = self.ev_phase[e], int(self.ev_k[e])
+            weight = np.zeros(self.num_candidates)
+            if ph == FW:
+                kc = int(self.kc_fw[k])
+                np.add.at(weight, self.fw_slot[:kc], self.fw_amt[:kc])
+            elif ph in (BW, RC):
+                kc = int(self.kc_bw[k])
+                np.add.at(weight, self.bw_slot[kc:], self.bw_amt[kc:])
+            else:
+                return None
+            room = weight * (1.0 - r) * (y > 0.5)
+            if room.sum() < viol:
+                return None
+            s = int(np.argmax(room))
+            r[s] = min(1.0, r[s] + (viol * (1 + 1e-12) + 1e-3) / weight[s])
+        return None
+
+    # -- heuristic incumbent ----------------------------------------------------------------------------
+    def heuristic(
+        self, model: MilpModel, idx: _Index, budget: float, solver: str, threads: int | None
+    ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
+        """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
+        LP relaxation's objective (a lower bound of the MILP's)."""
+        if self.num_candidates == 0:
+            return None, None
+        solver = _lp_solver(solver)
+        lp = _relaxed(model)
+        res = solve_model(lp, solver, threads=threads)
+        if res.x is None:
+            return None, None
+        lp_bound = res.objective
+        yl = np.array([res.x[j] for j in idx.y])
+        best: tuple[float, np.ndarray, np.ndarray] | None = None
+        # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
+        for thr in (1e-6, 0.25, 0.5, 0.75):
+            y = (yl > thr).astype(float)
+            y = self._unnest(y, yl)
+            if not y.any():
+                continue
+            fixed = _fix_y(model, idx, y)
+            sub = solve_model(fixed, solver, threads=threads)
+            if sub.x is None:
+                continue
+            y2, r2 = self.decision_from(idx, sub.x)
+            # drop checkpoints the LP left unused: r = 0 only costs the intercept and adds recompute extras
+            y2[r2 <= 1e-12] = 0.0
+            r2 = self.repair(y2, r2 * y2, budget)
+            if r2 is None:
+                continue
+            val = self.cost(y2, r2)
+            if best is None or val < best[0] - 1e-12:
+                best = (val, y2, r2)
+        if best is None:
+            return None, lp_bound
+        return (best[1], best[2]), lp_bound
+
+    def _unnest(self, y: np.ndarray, score: np.ndarray) -> np.ndarray:
+        """Keep, along every candidate chain, only nodes no chosen ancestor covers (highest score wins)."""
+        y = y.copy()
+        order = sorted(range(self.num_candidates), key=lambda s: (-score[s], s))
+        for s in order:
+            if y[s] < 0.5:
+                continue
+            p = self.candidates[s].parent_slot
+            while p >= 0:
+                if y[p] > 0.5:
+                    y[s] = 0.0
+                    break
+                p = self.candidates[p].parent_slot
+            if y[s] > 0.5:  # clear chosen descendants: slots are in pre-order, so they follow s contiguously
+                end = self.tree.nodes[self.candidates[s].node].subtree_end
+                t = s + 1
+                while t < self.num_candidates and self.candidates[t].node < end:
+                    y[t] = 0.0
+                    t += 1
+        return y
+
+
+def envelope(slopes: Sequence[float], intercepts: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The lines of ``max(0, max_s(slope_s·r + intercept_s))`` that are maximal somewhere on ``r ∈ [0, 1]``.
+
+    Duplicates and lines dominated on [0, 1] (by another line or by ``q ≥ 0``) add rows but no strength: the
+    perspective ``q ≥ slope·r + intercept·y`` of a line dominated on [0, 1] is dominated for every
+    ``0 ≤ r ≤ y``. Returned sorted by slope (at least one line is kept). Memoised (repeated blocks).
+    """
+    return _envelope(tuple(float(a) for a in slopes), tuple(float(b) for b in intercepts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _envelope(slopes: tuple[float, ...], intercepts: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    # merge lines equal up to rounding noise into one that bounds both (so q stays an upper bound)
+    lines: list[tuple[float, float]] = []
+    for sl, ic in sorted(set(zip(slopes, intercepts))):
+        if lines and abs(sl - lines[-1][0]) <= 1e-12 * max(1.0, abs(sl)) and abs(ic - lines[-1][1]) <= 1e-12 * max(1.0, abs(ic)):
+            lines[-1] = (max(sl, lines[-1][0]), max(ic, lines[-1][1]))
+        else:
+            lines.append((sl, ic))
+    a = np.array([l[0] for l in lines])
+    b = np.array([l[1] for l in lines])
+    # candidate abscissae: 0, 1, pairwise crossings and zero crossings inside (0, 1), plus midpoints
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cross = ((b[None, :] - b[:, None]) / (a[:, None] - a[None, :])).ravel()
+        zeros = -b / a
+    pts = np.concatenate([[0.0, 1.0], cross, zeros])
+    pts = np.unique(pts[np.isfinite(pts) & (pts > 0.0) & (pts < 1.0)].tolist() + [0.0, 1.0])
+    xs = np.concatenate([pts, (pts[:-1] + pts[1:]) / 2])
+    vals = a[None, :] * xs[:, None] + b[None, :]  # (points, lines)
+    best = vals.max(axis=1)
+    keep: set[int] = set()
+    for k, x in enumerate(xs):
+        if best[k] <= 1e-15:
+            continue  # q >= 0 is active here
+        tol = 1e-12 * max(1.0, abs(best[k]))
+        winners = np.nonzero(vals[k] >= best[k] - tol)[0]
+        # on ties keep the lines that stay maximal to the right (largest slope) and to the left (smallest)
+        keep.add(int(winners[-1]) if x < 1.0 else int(winners[0]))
+        keep.add(int(winners[0]) if x > 0.0 else int(winners[-1]))
+    if not keep:
+        keep = {int(np.argmax(a + b))}
+    kept = [lines[i] for i in sorted(keep)]
+    return tuple(x for x, _ in kept), tuple(y for _, y in kept)
+
+
+def _lp_solver(solver: str) -> str:
+    """Auxiliary problems (the heuristic's LPs, op-level knapsacks) run in-process with HiGHS when highspy is
+    installed (a CBC call costs a subprocess and an MPS file each); the module-level MILP always runs on
+    the solver asked for."""
+    try:
+        import highspy  # noqa: F401
+
+        return "highs"
+    except ImportError:  # pragma: no cover - depends on the environment
+        return solver
+
+
+def _relaxed(model: MilpModel) -> MilpModel:
+    lp = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in model.__dict__.items()})
+    lp.col_int = [False] * model.num_cols
+    return lp
+
+
+def _fix_y(model: MilpModel, idx: _Index, y: np.ndarray) -> MilpModel:
+    return _fix_y_cols(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
+
+
+def _fix_y_cols(model: MilpModel, values: dict[int, float]) -> MilpModel:
+    """The LP relaxation of ``model`` with the given columns fixed."""
+    m = _relaxed(model)
+    for j, v in values.items():
+        m.col_lb[j] = m.col_ub[j] = float(v)
+    return m
+
+
+# -----------------------------------------------------------------------------------------------------------
+# public entry points
+# -----------------------------------------------------------------------------------------------------------
+def baseline_peak(tree: ModuleTree, world_size: int | None = None) -> int:
+    """Predicted per-rank peak bytes without checkpointing (``max_e peak_e - S_e``), rounded up."""
+    return int(math.ceil(SacProblem(tree, world_size).baseline_peak() - 1e-6))
+
+
+def _min_peak(
+    problem: SacProblem, solver: str, threads: int | None, time_limit_s: float | None = None
+) -> tuple[int, np.ndarray, np.ndarray, SolveResult, float]:
+    """Solve the min-peak MILP; returns (ceil of the exact peak of its solution, y, r, result, build_s)."""
+    t0 = time.perf_counter()
+    model, idx = problem.build_min_peak()
+    nc = problem.num_candidates
+    warm = problem.columns_for(model, idx, np.zeros(nc), np.zeros(nc))
+    build_s = time.perf_counter() - t0
+    res = solve_model(model, solver, time_limit_s=time_limit_s, gap_rel=1e-9, gap_abs=1e-9, threads=threads, warm_start=warm)
+    if res.x is None:
+        raise SolverError(f"the min-peak MILP returned no solution ({res.solver}: {res.raw_status})")
+    y, _ = problem.decision_from(idx, res.x)
+    # Every event only falls as a ratio grows, so for the chosen units r = 1 is optimal: the peak depends on
+    # the integer choice alone and is evaluated exactly (no solver tolerance in the reported minimum).
+    r = y.copy()
+    peak = problem.peak(y, r)
+    return int(math.ceil(peak - 1e-6)), y, r, res, build_s
+
+
+def min_feasible_budget(
+    tree: ModuleTree,
+    *,
+    world_size: int | None = None,
+    ac_units: Sequence[str] | None = None,
+    fsdp_units: Sequence[str] | None = None,
+    solver: str = "cbc",
+    threads: int | None = None,
+) -> int:
+    """Smallest budget (bytes) any plan meets: the optimum of the MILP minimising the predicted peak."""
+    solver = check_solver(solver)
+    problem = SacProblem(tree, world_size, ac_units, fsdp_units)
+    return _min_peak(problem, solver, threads)[0]
+
+
+def solve(
+    tree: ModuleTree,
+    budget: int | float | str,
+    *,
+    world_size: int | None = None,
+    ac_units: list[str] | None = None,
+    fsdp_units: list[str] | None = None,
+    solver: str = "cbc",
+    time_limit_s: float | None = None,
+    gap_rel: float = 1e-4,
+    op_level: bool = True,
+    threads: int | None = None,
+) -> Plan:
+    r"""Cheapest selective activation checkpointing plan whose predicted per-rank peak fits ``budget``.
+
+    Memory model
+    ------------
+    The tree comes from a collected step *without* checkpointing. For candidate module ``i`` with per-call
+    discardable bytes ``A_{i,c}`` (``ModuleStats.act_bytes[c]``) the MILP chooses ``y_i ∈ {0,1}`` (checkpoint
+    ``i``) and a discard fraction ``r_i ∈ [0, 1]`` with ``r_i ≤ y_i``; call ``c`` discards
+    ``d_{i,c} = A_{i,c} · r_i``. With running sums over the step orders (the c-th occurrence of ``i`` in an
+    order is call ``c``)::
+
+        F_k = Σ_{first k entries of fw_post_order} d      (discarded by forwards that have finished)
+        B_k = Σ_{first k entries of bw_pre_order}  d      (re-materialised: that module's backward began)
+        D   = B_{len(bw_pre_order)}                       (all discards)
+        S_e = state_bytes_e · (1 - stats.world_size / world_size)   (params/grads/optimizer state sharded)
+
+    every timeline event ``e`` (``ModelStats.events``) predicts::
+
+        fw    m_e = peak_e - S_e - F_{fw_done_e}
+        bw    m_e = peak_e - S_e - (D - B_{bw_started_e})
+        rc    m_e = peak_e - S_e - (D - B_{bw_started_e}) + extra_bytes_e · y_j
+              (module j's backward start: recomputing a checkpointed j re-allocates its forward temporaries)
+        other m_e = peak_e - S_e                            (loss, optimizer: unchanged by checkpointing)
+
+    and the plan must satisfy ``m_e ≤ budget`` for all ``e``; the predicted peak is ``max_e m_e``.
+
+    MILP
+    ----
+    minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recompute_ms``) subject to
+
+    * ``q_i ≥ slope_s · r_i + intercept_s · y_i`` for every trade-off line ``s``, ``q_i ≥ 0`` (the
+      perspective of the convex curve: exact at integer ``y`` and the tightest relaxation; no big-M);
+    * ``r_i ≤ y_i``;
+    * no nested checkpointing: ``u_i = u_{parent(i)} + y_i ≤ 1`` along candidate chains (``u`` = ``y`` at the
+      top of a chain; a chain's last node needs no ``u`` column);
+    * running sums as columns, only where a constraint needs them: ``F_{k'} = F_{k} + Σ_{entries k..k'} A·r/GiB``
+      and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
+      ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
+      ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``.
+
+    * ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
+      branching; see below).
+
+    Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
+    (same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
+    [0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
+    ``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
+    calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
+
+    Solving: an incumbent from the LP relaxation (round ``y``, re-solve the ratios) is handed to the solver,
+    which proves optimality to ``gap_rel`` (no MILP search at all when the incumbent already meets the LP
+    bounds after branching on the count columns below: a few in-process LPs).
+    Identical candidates (repeated blocks) get a count column ``K = Σ_class y`` branched on first: the LP is
+    weak only in *how many* blocks to checkpoint, and once that count is fixed its bound is nearly tight, so
+    the symmetric search over *which* blocks never starts. (Auxiliary LPs and op-level knapsacks run on
+    in-process HiGHS when highspy is installed.) Solutions are checked exactly in bytes and tiny tolerance
+    violations repaired by raising ratios. With ``op_level`` each checkpointed module's ratio is realised by
+    :func:`~sacplan.solve.ops.select_ops` (saving at most ``floor(A·(1-r))`` bytes), and the reported peak and
+    recompute time are recomputed from the realised discards.
+
+    Args:
+        tree: the collected module tree.
+        budget: per-rank memory budget: GiB number, bytes, ``"40GiB"``, ``"80%"`` of the target device...
+            (:func:`sacplan.units.parse_budget`).
+        world_size: ranks to plan for (None: as collected). State bytes scale by ``stats.world_size/world_size``.
+        ac_units: only these modules may be checkpointed (leaves and the root too when named).
+        fsdp_units: FSDP units; their ancestors are never checkpoint units.
+        solver: ``"cbc"`` (PuLP's bundled CBC) or ``"highs"`` (highspy).
+        time_limit_s: stop the search after this long and return the best plan with its gap (a warning).
+        gap_rel: relative optimality gap to prove.
+        op_level: realise ratios with op-level selection (else ratio-only decisions).
+        threads: solver threads (default 1: deterministic).
+
+    Raises:
+        InfeasibleBudgetError: no plan fits; carries the computed smallest feasible budget.
+        ConfigError: unknown module names, world_size < 1, bad budget.
+        SolverError: unknown/missing solver, or the solver failed.
+    """
+    solver = check_solver(solver)
+    t_start = time.perf_counter()
+    problem = SacProblem(tree, world_size, ac_units, fsdp_units)
+    for note in problem.notes:
+        warnings.warn(note, stacklevel=2)
+    stats = tree.stats
+    budget_bytes = parse_budget(budget, capacity_bytes=stats.device.memory_bytes)
+    base_f = problem.baseline_peak()
+    baseline = int(math.ceil(base_f - 1e-6))
+    nc = problem.num_candidates
+    common: dict[str, Any] = dict(
+        budget_bytes=budget_bytes,
+        baseline_peak_bytes=baseline,
+        baseline_step_ms=float(stats.step_ms),
+        world_size=problem.world_size,
+        device_name=stats.device.name,
+        model_name=stats.model_name,
+        fingerprint=stats.fingerprint,
+    )
+    if base_f <= budget_bytes:
+        zeros = np.zeros(nc)
+        return Plan(
+            decisions=(),
+            predicted_peak_bytes=baseline,
+            recompute_ms=0.0,
+            status="not needed",
+            objective_ms=0.0,
+            bound_ms=0.0,
+            gap=0.0,
+            solver="",
+            build_s=time.perf_counter() - t_start,
+            solve_s=0.0,
+            per_module_peak=_per_module_peak(problem, problem.peaks(zeros, zeros)),
+            min_feasible_bytes=None,
+            meta={"candidates": nc, "op_level": op_level},
+            **common,
+        )
+
+    def infeasible() -> InfeasibleBudgetError:
+        mf, *_ = _min_peak(problem, solver, threads)
+        return InfeasibleBudgetError(budget_bytes, mf)
+
+    if nc == 0 or problem.lower_bound_peak() > budget_bytes:
+        raise infeasible()
+    model, idx, trivially_infeasible = problem.build(float(budget_bytes))
+    if trivially_infeasible:
+        raise infeasible()
+    t_h = time.perf_counter()
+    start, lp_bound = problem.heuristic(model, idx, float(budget_bytes), solver, threads)
+    heur_s = time.perf_counter() - t_h
+    warm = problem.columns_for(model, idx, *start) if start is not None else None
+    build_s = time.perf_counter() - t_start
+    t_solve = time.perf_counter()
+    remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
+    proven = prove_by_lp_branching(
+        model, warm, idx.K, gap_rel=gap_rel, lp_solver=_lp_solver(solver), root_bound=lp_bound, solver_name=solver
+    )
+    res = proven or solve_model(
+        model,
+        solver,
+        time_limit_s=remaining,
+        gap_rel=gap_rel,
+        gap_abs=1e-7,
+        threads=threads,
+        warm_start=warm,
+        # branch on class counts first (CBC's preprocessing would substitute the count columns away)
+        priorities={k: 1 for k in idx.K} or None,
+        options=["preprocess off"] if idx.K else (),
+    )
+    solve_s = time.perf_counter() - t_solve
+    meta: dict[str, Any] = {
+        "candidates": nc,
+        "model": model.stats(),
+        "events": len(problem.ev_base),
+        "events_kept": idx.kept_events,
+        "heuristic_s": heur_s,
+        "heuristic_ms": None if start is None else problem.cost(*start),
+        "raw_status": res.raw_status,
+        "lp_bound_ms": lp_bound,
+        # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
+        "proved_by": "lp" if proven is not None else solver,
+        "op_level": op_level,
+    }
+    min_feasible: int | None = None
+    if res.x is None:
+        if res.status == INFEASIBLE:
+            mf, y_mp, r_mp, _, _ = _min_peak(problem, solver, threads)
+            if mf > budget_bytes:
+                raise InfeasibleBudgetError(budget_bytes, mf)
+            # solver tolerance at the very edge: the min-peak solution fits exactly
+            y, r = y_mp, r_mp
+            objective, bound, gap, status = problem.cost(y, r), -math.inf, math.inf, TIME_LIMIT
+            meta["fallback"] = "min-peak solution (the budget MILP was declared infeasible at the feasibility edge)"
+            min_feasible = mf
+        elif res.status == TIME_LIMIT:
+            raise SolverError(
+                f"{solver} hit the time limit ({time_limit_s} s) before finding any plan; raise time_limit_s"
+            )
+        else:
+            raise SolverError(f"{solver} failed on the SAC MILP: {res.raw_status}")
+    else:
+        y, r = problem.decision_from(idx, res.x)
+        objective, bound, gap, status = res.objective, res.bound, res.gap, res.status
+    r_fixed = problem.repair(y, r, float(budget_bytes))
+    if r_fixed is None:
+        mf, y_mp, r_mp, _, _ = _min_peak(problem, solver, threads)
+        if mf > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, mf)
+        y, r = y_mp, r_mp
+        meta["fallback"] = "min-peak solution (the solver's plan violated the budget beyond repair)"
+        min_feasible = mf
+    else:
+        r = r_fixed
+    if not problem.nesting_ok(y):  # pragma: no cover - guaranteed by the constraints
+        raise SolverError("internal error: the solver returned nested checkpoint units")
+    meta["model_recompute_ms"] = problem.cost(y, r)
+    decisions, y_real, r_real = _realise(problem, y, r, op_level, solver)
+    m = problem.peaks(y_real, r_real)
+    predicted = int(math.ceil(float(np.max(m)) - 1e-6))
+    if predicted > budget_bytes:  # pragma: no cover - realised discards only ever grow
+        raise SolverError(f"internal error: realised plan peaks at {predicted} > budget {budget_bytes}")
+    if status == TIME_LIMIT:
+        warnings.warn(
+            f"sacplan.solve: {solver} stopped at the time limit ({time_limit_s} s) with relative gap "
+            f"{gap:.4%} (objective {objective:.4f} ms, bound {bound:.4f} ms); the plan is the best found, "
+            "not proven optimal. Raise time_limit_s to close the gap.",
+            TimeLimitWarning,
+            stacklevel=2,
+        )
+    return Plan(
+        decisions=tuple(decisions),
+        predicted_peak_bytes=predicted,
+        recompute_ms=float(sum(d.recompute_ms for d in decisions)),
+        status=status,
+        objective_ms=float(objective),
+        bound_ms=float(bound),
+        gap=float(gap),
+        solver=solver,
+        build_s=build_s,
+        solve_s=solve_s,
+        per_module_peak=_per_module_peak(problem, m),
+        min_feasible_bytes=min_feasible,
+        meta=meta,
+        **common,
+    )
+
+
+def _per_module_peak(problem: SacProblem, m: np.ndarray) -> dict[str, int]:
+    out: dict[str, float] = {}
+    for mod, v in zip(problem.ev_module, m):
+        if v > out.get(mod, -math.inf):
+            out[mod] = float(v)
+    return {k: int(math.ceil(v - 1e-6)) for k, v in sorted(out.items())}
+
+
+def _realise(
+    problem: SacProblem, y: np.ndarray, r: np.ndarray, op_level: bool, solver: str
+) -> tuple[list[ModuleDecision], np.ndarray, np.ndarray]:
+    """Module decisions with op-level selection; returns them and the realised (y, r).
+
+    A ratio of 1 is a full checkpoint (nothing saved, no selection needed). Otherwise the ops saved hold at
+    most ``floor(A·(1 - r))`` bytes, so the realised discard ``A - saved`` is at least ``A·r`` and every
+    event's prediction can only fall. When the ops that must be saved (in-place inputs, random ops) do not
+    fit, the module falls back to a full checkpoint (discards everything; costs the full recompute).
+    """
+    decisions = []
+    r_real = r.copy()
+    for c in problem.candidates:
+        s = c.slot
+        if y[s] < 0.5:
+            continue
+        st = problem.tree.nodes[c.node].stats
+        t = st.tradeoff
+        assert t is not None
+        A = c.max_discard_bytes
+        ratio = float(min(1.0, max(0.0, r[s])))
+        sel = None
+        if ratio < 1.0 - 1e-12 and op_level and st.ops:
+            try:
+                sel = select_ops(
+                    st.ops,
+                    max_saved_bytes_for(ratio, A),
+                    solver=_lp_solver(solver),
+                    recompute_stop=st.recompute_stop or None,
+                )
+            except InfeasibleBudgetError:
+                ratio = 1.0
+        if ratio >= 1.0 - 1e-12:
+            r_real[s] = 1.0
+            decisions.append(
+                ModuleDecision(
+                    fqn=c.fqn,
+                    discard_ratio=1.0,
+                    discard_bytes=A,
+                    recompute_ms=c.calls * c.recompute_ms,
+                    recompute_flops=c.calls * int(t.full_recompute_flops),
+                    saved_ops=None,
+                    calls=c.calls,
+                )
+            )
+        elif sel is not None:
+            discard = A - sel.saved_bytes  # >= A·ratio by the byte budget of the selection
+            r_real[s] = discard / A
+            by_index = {op.index: op for op in st.ops}
+            decisions.append(
+                ModuleDecision(
+                    fqn=c.fqn,
+                    discard_ratio=discard / A,
+                    discard_bytes=discard,
+                    recompute_ms=c.calls * sel.recompute_ms,
+                    recompute_flops=c.calls * sel.recompute_flops,
+                    saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
+                    calls=c.calls,
+                )
+            )
+        else:  # ratio-only decision: whole bytes, rounded up
+            discard = int(math.ceil(ratio * A))
+            r_real[s] = max(ratio, min(1.0, discard / A))
+            decisions.append(
+                ModuleDecision(
+                    fqn=c.fqn,
+                    discard_ratio=float(r_real[s]),
+                    discard_bytes=discard,
+                    recompute_ms=c.cost(float(r_real[s])),
+                    recompute_flops=int(round(c.calls * t.full_recompute_flops * _q(c, float(r_real[s])))),
+                    saved_ops=None,
+                    calls=c.calls,
+                )
+            )
+    return decisions, y, r_real
+
+
+def _q(c: Candidate, r: float) -> float:
+    return max([0.0] + [s * r + b for s, b in zip(c.slopes, c.intercepts)])

@@ -1,0 +1,645 @@
+"""Synthetic :class:`~sacplan.stats.ModelStats` / :class:`~sacplan.tree.ModuleTree` for solver tests and
+benchmarks, without running any model.
+
+A model is a tree of :class:`Spec` nodes. :func:`build_tree` simulates one training step *without*
+checkpointing on that tree and records exactly what ``sacplan.collect`` records: per-module stats, the four
+module-call orders and the memory timeline (:class:`~sacplan.stats.MemoryEvent`) with consistent
+``fw_done``/``bw_started`` counters. The simulated step:
+
+* every module call runs ``chunk 1`` of its own ops (allocating half of its own kept activations plus a
+  transient ``tmp``), then its children (each ``repeat`` times), then ``chunk 2`` (the other half);
+  a stretch between hooks is one ``fw`` event; the loss is an ``fw`` event after all forwards;
+* backward visits module calls in reverse: at a module's backward start the stretch is an ``rc`` event
+  (``extra_bytes`` = the subtree's largest forward transient, what recomputation would allocate again);
+  chunk 2's activations are freed and half the module's gradients appear, the children run backward, then
+  a ``bw`` event frees chunk 1 and adds the other half of the gradients;
+* the optimizer step is an ``other`` event (state + a temporary).
+
+Trade-offs come from explicit lines, or from an op list (greedy by bytes per ms, convex lines through the
+greedy vertices), or are absent (module never checkpointable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from sacplan.devices import DeviceSpec
+from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, TradeOff
+from sacplan.tree import ModuleTree
+
+GiB = 2**30
+MiB = 2**20
+
+#: An H100-SXM-like target (figures only matter for bookkeeping here).
+H100 = DeviceSpec(
+    name="H100-SXM",
+    memory_bytes=80 * GiB,
+    peak_flops={"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    hbm_bandwidth=3.35e12,
+    source="synthetic test spec",
+)
+
+
+@dataclass
+class Spec:
+    """One module of a synthetic model.
+
+    Attributes:
+        name: local name (fqn = parent fqn + "." + name; the root's name is ignored, its fqn is "").
+        children: child specs, in forward order.
+        repeat: how many times the module runs per call of its parent.
+        act: own kept activation bytes per call (or ``act_calls`` per call index of this module).
+        out: output bytes kept after the forward; they belong to the *parent's* activations (checkpointing
+            this module does not free them), freed at this module's backward start.
+        tmp: own transient bytes (forward and backward temporaries).
+        params: own parameter bytes.
+        fw_ms: own forward ms per call.
+        lines: explicit trade-off lines ``((slope, intercept), ...)``; None: from ``ops`` if any, else
+            a default two-line curve; ``no_tradeoff=True`` gives none.
+        ops: op list (then the trade-off comes from a greedy over them).
+        module_type: class name recorded in the stats.
+    """
+
+    name: str
+    children: list["Spec"] = field(default_factory=list)
+    repeat: int = 1
+    act: int = 0
+    act_calls: tuple[int, ...] | None = None
+    tmp: int = 0
+    params: int = 0
+    fw_ms: float = 0.0
+    lines: tuple[tuple[float, float], ...] | None = None
+    ops: tuple[OpStat, ...] = ()
+    no_tradeoff: bool = False
+    module_type: str = "Module"
+    recompute_stop: int | None = None
+    out: int = 0
+
+
+def greedy_tradeoff(ops: Sequence[OpStat], A: int, R: float, flops: int = 0) -> TradeOff:
+    """Convex trade-off from an op list: discard op outputs in decreasing bytes per ms.
+
+    Only ops autograd saves are discarded (``r`` = discarded bytes / A, ``q`` = recomputed ms / R); ``q(0)``
+    is the share of every other op (views, transients, outputs), recomputed anyway. Lines join consecutive
+    vertices (so they bound the greedy vertices, not the knapsack between them).
+    """
+    kept = [o for o in ops if o.saved_by_autograd and not o.is_view and o.save_cost_bytes > 0]
+    view_ms = sum(o.runtime_ms for o in ops) - sum(o.runtime_ms for o in kept)
+    items = sorted(
+        kept,
+        key=lambda o: (-(o.save_cost_bytes / max(o.runtime_ms, 1e-12)), o.index),
+    )
+    pts = [(0.0, view_ms / R if R > 0 else 0.0)]
+    cb, cm = 0, view_ms
+    for o in items:
+        cb += o.save_cost_bytes
+        cm += o.runtime_ms
+        pts.append((cb / A, cm / R))
+    slopes, intercepts = [], []
+    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
+        if r1 - r0 <= 1e-15:
+            continue
+        s = (q1 - q0) / (r1 - r0)
+        slopes.append(s)
+        intercepts.append(q0 - s * r0)
+    if not slopes:
+        slopes, intercepts = [0.0], [pts[0][1]]
+    return TradeOff(
+        max_discard_bytes=A,
+        full_recompute_ms=R,
+        points=tuple(pts),
+        slopes=tuple(slopes),
+        intercepts=tuple(intercepts),
+        full_recompute_flops=flops,
+    )
+
+
+def lines_tradeoff(lines: Sequence[tuple[float, float]], A: int, R: float) -> TradeOff:
+    pts = [(0.0, max(b for _, b in lines))]
+    pts.append((1.0, max(s + b for s, b in lines)))
+    return TradeOff(
+        max_discard_bytes=A,
+        full_recompute_ms=R,
+        points=tuple(pts),
+        slopes=tuple(float(s) for s, _ in lines),
+        intercepts=tuple(float(b) for _, b in lines),
+    )
+
+
+@dataclass
+class _Node:
+    spec: Spec
+    fqn: str
+    parent: int | None
+    depth: int
+    children: list[int]
+
+
+def _flatten(root: Spec) -> list[_Node]:
+    out: list[_Node] = []
+
+    def rec(sp: Spec, fqn: str, parent: int | None, depth: int) -> int:
+        i = len(out)
+        out.append(_Node(sp, fqn, parent, depth, []))
+        for ch in sp.children:
+            cf = ch.name if fqn == "" else f"{fqn}.{ch.name}"
+            out[i].children.append(rec(ch, cf, i, depth + 1))
+        return i
+
+    rec(root, "", None, 0)
+    return out
+
+
+def build_stats(
+    root: Spec,
+    *,
+    world_size: int = 1,
+    optimizer_factor: float = 2.0,
+    input_bytes: int = 0,
+    loss_tmp: int = 0,
+    model_name: str = "synthetic",
+    device: DeviceSpec = H100,
+) -> ModelStats:
+    """Simulate one no-checkpointing step over ``root`` (see the module docstring)."""
+    nodes = _flatten(root)
+    n = len(nodes)
+    params_total = sum(nd.spec.params for nd in nodes)
+    opt = int(optimizer_factor * params_total)
+    live = {"act": input_bytes, "grad": 0, "tmp": 0}
+    fw_pre: list[str] = []
+    fw_post: list[str] = []
+    bw_pre: list[str] = []
+    bw_post: list[str] = []
+    events: list[MemoryEvent] = []
+    calls = [0] * n
+    act_calls: list[list[int]] = [[] for _ in range(n)]
+    trans_calls: list[list[int]] = [[] for _ in range(n)]
+    snaps: list[list[dict[str, MemSnapshot]]] = [[] for _ in range(n)]
+    fw_ms_calls: list[list[float]] = [[] for _ in range(n)]
+    # per call record for the backward: (node, call index, chunk1, chunk2, pre_fw, post_fw snapshots)
+    trace: list[tuple[int, int, int, int]] = []
+    fw_counter = 0
+
+    def snap(tmp: int = 0) -> MemSnapshot:
+        return MemSnapshot(
+            param=params_total, grad=live["grad"], optimizer=opt, activation=live["act"], temp=tmp
+        )
+
+    def state() -> int:
+        return params_total + live["grad"] + opt
+
+    def own_act(i: int, c: int) -> int:
+        sp = nodes[i].spec
+        if sp.act_calls is not None:
+            return int(sp.act_calls[c % len(sp.act_calls)])
+        return int(sp.act)
+
+    def fw(i: int) -> tuple[int, float]:
+        """Run module i's forward; returns (max transient above the post-fw level, ms)."""
+        nonlocal fw_counter
+        sp = nodes[i].spec
+        c = calls[i]
+        calls[i] += 1
+        fw_pre.append(nodes[i].fqn)
+        pre = snap()
+        start_act = live["act"]
+        a = own_act(i, c)
+        ch1, ch2 = a // 2, a - a // 2
+        # chunk 1
+        peak = live["act"] + ch1 + sp.tmp
+        events.append(MemoryEvent("fw", nodes[i].fqn, c, fw_counter, 0, peak + state(), state()))
+        live["act"] += ch1
+        max_trans = sp.tmp
+        ms = sp.fw_ms
+        for ch in nodes[i].children:
+            for _ in range(nodes[ch].spec.repeat):
+                t, m = fw(ch)
+                max_trans = max(max_trans, t)
+                ms += m
+        peak2 = live["act"] + ch2 + sp.tmp
+        events.append(MemoryEvent("fw", nodes[i].fqn, c, fw_counter, 0, peak2 + state(), state()))
+        live["act"] += ch2
+        fw_post.append(nodes[i].fqn)
+        fw_counter += 1
+        act_calls[i].append(live["act"] - start_act)
+        live["act"] += sp.out
+        trans_calls[i].append(max_trans)
+        fw_ms_calls[i].append(ms)
+        snaps[i].append({"pre_fw": pre, "peak_fw": snap(sp.tmp), "post_fw": snap()})
+        trace.append((i, c, ch1, ch2))
+        return max_trans, ms
+
+    for _ in range(root.repeat):
+        fw(0)
+    # loss: forward is complete, all activations still live
+    events.append(MemoryEvent("fw", "", 0, fw_counter, 0, live["act"] + loss_tmp + state(), state()))
+
+    # backward: module calls in reverse order of their forward end, parents before their children
+    bw_counter = 0
+    done_children: dict[tuple[int, int], None] = {}
+
+    # rebuild the call tree from the trace (post-order) to walk it in reverse pre-order
+    # trace is in fw post-order; a parent's record follows all its children's records
+    stack: list[tuple[int, int, int, int, list]] = []
+    roots: list[tuple[int, int, int, int, list]] = []
+    for rec in trace:
+        i = rec[0]
+        kids = []
+        while stack and nodes[stack[-1][0]].parent == i:
+            kids.append(stack.pop())
+        item = (*rec, list(reversed(kids)))
+        stack.append(item)
+    roots = stack
+
+    def bw(item: tuple[int, int, int, int, list]) -> None:
+        nonlocal bw_counter
+        i, c, ch1, ch2, kids = item
+        sp = nodes[i].spec
+        bw_pre.append(nodes[i].fqn)
+        bw_counter += 1
+        pre = snap()
+        half = sp.params // 2
+        extra = trans_calls[i][c]
+        events.append(
+            MemoryEvent("rc", nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + half + state(), state() + half, extra)
+        )
+        live["act"] -= ch2 + sp.out
+        live["grad"] += half
+        peak_bw = snap(sp.tmp)
+        for kid in reversed(kids):
+            bw(kid)
+        events.append(
+            MemoryEvent("bw", nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + (sp.params - half) + state(), state() + sp.params - half)
+        )
+        live["act"] -= ch1
+        live["grad"] += sp.params - half
+        bw_post.append(nodes[i].fqn)
+        snaps[i][c].update({"pre_bw": pre, "peak_bw": peak_bw, "post_bw": snap()})
+
+    for item in reversed(roots):
+        bw(item)
+    opt_tmp = opt // 4
+    events.append(MemoryEvent("other", "", 0, fw_counter, bw_counter, state() + live["act"] + opt_tmp, state()))
+
+    modules = []
+    for i, nd in enumerate(nodes):
+        sp = nd.spec
+        A = act_calls[i][0] if act_calls[i] else 0
+        R = fw_ms_calls[i][0] if fw_ms_calls[i] else 0.0
+        sub_params = sum(nodes[j].spec.params for j in _subtree(nodes, i))
+        tr: TradeOff | None = None
+        if not sp.no_tradeoff and A > 0 and R > 0:
+            if sp.lines is not None:
+                tr = lines_tradeoff(sp.lines, A, R)
+            elif sp.ops:
+                tr = greedy_tradeoff(sp.ops, A, R, int(sum(o.flops for o in sp.ops)))
+            else:
+                tr = lines_tradeoff(((0.6, 0.05), (1.4, -0.35)), A, R)
+        modules.append(
+            ModuleStats(
+                fqn=nd.fqn,
+                module_type=sp.module_type,
+                parent=None if nd.parent is None else nodes[nd.parent].fqn,
+                depth=nd.depth,
+                is_leaf=not nd.children,
+                calls=calls[i],
+                param_bytes=sub_params,
+                buffer_bytes=0,
+                grad_bytes=sub_params,
+                optimizer_bytes=int(optimizer_factor * sub_params),
+                input_bytes=0,
+                output_bytes=0,
+                act_bytes=tuple(act_calls[i]),
+                act_grad_bytes=tuple(sp.tmp for _ in act_calls[i]),
+                fw_transient_bytes=tuple(trans_calls[i]),
+                fw_ms=tuple(fw_ms_calls[i]),
+                bw_ms=tuple(2 * m for m in fw_ms_calls[i]),
+                fw_flops=tuple(0 for _ in act_calls[i]),
+                bw_flops=tuple(0 for _ in act_calls[i]),
+                snapshots=tuple(snaps[i]),
+                ops=tuple(sp.ops),
+                recompute_stop=sp.recompute_stop if sp.recompute_stop is not None else len(sp.ops),
+                tradeoff=tr,
+            )
+        )
+    peak_ev = max(events, key=lambda e: e.peak_bytes)
+    fw_total = sum(fw_ms_calls[0])
+    h = hashlib.sha256(repr([(m.fqn, m.param_bytes) for m in modules]).encode()).hexdigest()[:16]
+    return ModelStats(
+        device=device,
+        model_name=model_name,
+        dtype="torch.bfloat16",
+        world_size=world_size,
+        modules=tuple(modules),
+        fw_pre_order=tuple(fw_pre),
+        fw_post_order=tuple(fw_post),
+        bw_pre_order=tuple(bw_pre),
+        bw_post_order=tuple(bw_post),
+        events=tuple(events),
+        peak_bytes=peak_ev.peak_bytes,
+        peak_phase=peak_ev.phase,
+        peak_module=peak_ev.module,
+        peak_snapshot=MemSnapshot(param=params_total, grad=0, optimizer=opt, activation=peak_ev.peak_bytes - peak_ev.state_bytes),
+        param_bytes=params_total,
+        grad_bytes=params_total,
+        optimizer_bytes=opt,
+        fw_ms=fw_total,
+        bw_ms=2 * fw_total,
+        optimizer_ms=0.1,
+        fw_flops=0,
+        bw_flops=0,
+        fingerprint=h,
+    )
+
+
+def _subtree(nodes: list[_Node], i: int) -> list[int]:
+    out = [i]
+    for c in nodes[i].children:
+        out.extend(_subtree(nodes, c))
+    return out
+
+
+def build_tree(root: Spec, **kw) -> ModuleTree:
+    """:func:`build_stats` wrapped in a :class:`ModuleTree`."""
+    return ModuleTree(build_stats(root, **kw))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ready-made trees
+# ---------------------------------------------------------------------------------------------------------
+def hand_tree(*, state_bytes: int = 0, world_size: int = 1) -> ModuleTree:
+    """Root with two blocks, events written by hand (the worked example in tests/solve/test_milp.py).
+
+    b0, b1: A = 4 GiB per call, R = 10 ms, one trade-off line q = 0.2·y + 0.8·r.
+    fw_post_order = (b0, b1, ""), bw_pre_order = ("", b1, b0); events (peak_bytes add ``state_bytes``):
+    loss (fw, fw_done=3) 10 GiB; b1's backward start (rc, bw_started=2, extra 1 GiB) 10 GiB;
+    b0's backward (bw, bw_started=3) 6 GiB; optimizer (other) 3 GiB.
+    """
+    tr = TradeOff(
+        max_discard_bytes=4 * GiB, full_recompute_ms=10.0, points=((0.0, 0.2), (1.0, 1.0)),
+        slopes=(0.8,), intercepts=(0.2,), full_recompute_flops=10**12,
+    )
+    sb = state_bytes
+    events = [
+        MemoryEvent("fw", "", 0, 3, 0, 10 * GiB + sb, sb),
+        MemoryEvent("rc", "b1", 0, 3, 2, 10 * GiB + sb, sb, 1 * GiB),
+        MemoryEvent("bw", "b0", 0, 3, 3, 6 * GiB + sb, sb),
+        MemoryEvent("other", "", 0, 3, 3, 3 * GiB + sb, sb),
+    ]
+    st = manual_stats(
+        [("", None, (8 * GiB,), None), ("b0", "", (4 * GiB,), tr), ("b1", "", (4 * GiB,), tr)],
+        ("b0", "b1", ""),
+        ("", "b1", "b0"),
+        events,
+        world_size=world_size,
+    )
+    return ModuleTree(st)
+
+
+def random_spec(rng: random.Random, max_modules: int = 8) -> Spec:
+    """A random small tree: random nesting, repeats (calls), sizes, convex trade-off lines."""
+    n = rng.randint(2, max_modules)
+    specs = [Spec("m", params=rng.randint(0, 4) * 64 * MiB, fw_ms=rng.uniform(0, 1))]
+    for k in range(1, n):
+        # favour nesting below non-root modules so that there are internal (checkpointable) modules
+        parent = specs[rng.randrange(1, len(specs))] if len(specs) > 1 and rng.random() < 0.6 else specs[0]
+        sp = Spec(
+            f"c{k}",
+            repeat=rng.choice((1, 1, 1, 2)),
+            act=rng.randint(0, 16) * 64 * MiB,
+            act_calls=None,
+            tmp=rng.randint(0, 4) * 16 * MiB,
+            params=rng.randint(0, 4) * 32 * MiB,
+            fw_ms=rng.uniform(0.1, 5.0),
+            lines=random_lines(rng),
+        )
+        if rng.random() < 0.3:
+            sp.act_calls = tuple(rng.randint(0, 16) * 64 * MiB for _ in range(2))
+        parent.children.append(sp)
+        specs.append(sp)
+    return specs[0]
+
+
+def random_lines(rng: random.Random) -> tuple[tuple[float, float], ...]:
+    """Convex, non-decreasing piecewise-linear q(r) on [0, 1] with q(0) = b0 >= 0, as lines."""
+    k = rng.randint(1, 3)
+    b0 = rng.choice((0.0, 0.0, rng.uniform(0, 0.3)))
+    slopes = sorted(rng.uniform(0.05, 2.0) for _ in range(k))
+    breaks = sorted(rng.uniform(0.05, 0.95) for _ in range(k - 1))
+    lines = []
+    q, r0 = b0, 0.0
+    for j, s in enumerate(slopes):
+        lines.append((s, q - s * r0))
+        if j < len(breaks):
+            q += s * (breaks[j] - r0)
+            r0 = breaks[j]
+    return tuple(lines)
+
+
+def _op(index: int, name: str, occ: int, nbytes: int, ms: float, flops: int = 0, kind: str = "") -> OpStat:
+    """kind: "" (output saved by autograd), "view", "output" (the module output: free to save) or
+    "transient" (not saved by autograd: saving it under SAC costs its bytes)."""
+    view, output = kind == "view", kind == "output"
+    return OpStat(
+        index=index,
+        name=name,
+        occurrence=occ,
+        out_bytes=0 if view else nbytes,
+        runtime_ms=ms,
+        flops=flops,
+        is_view=view,
+        saved_by_autograd=kind == "",
+        is_output=output,
+        save_cost_bytes=0 if (view or output) else nbytes,
+    )
+
+
+def _ops(rows: Sequence[tuple]) -> tuple[OpStat, ...]:
+    """Number ops and count occurrences per name: rows are (name, bytes, ms, flops[, 'view'|'output'])."""
+    seen: dict[str, int] = {}
+    out = []
+    for i, row in enumerate(rows):
+        name, nb, ms, fl = row[:4]
+        kind = row[4] if len(row) > 4 else ""
+        occ = seen.get(name, 0)
+        seen[name] = occ + 1
+        out.append(_op(i, name, occ, nb, ms, fl, kind))
+    return tuple(out)
+
+
+def llama_spec(n_blocks: int, *, hidden: int = 4096, seq: int = 4096, ffn: int = 11008, vocab: int = 32000,
+               batch: int = 1, world_size: int = 8, with_ops: bool = True) -> Spec:
+    """A Llama-7B-shaped model: root -> tok_embeddings, layers (ModuleList) -> N x TransformerBlock
+    (attention_norm, attention (wq, wk, wv, wo), ffn_norm, feed_forward (w1, w2, w3)), norm, output.
+
+    Sizes are bf16 (2 bytes) on an H100-SXM (989 dense bf16 TFLOP/s at 75% -> 742 TFLOP/s for matmuls,
+    3.35 TB/s at 80% -> 2.68 TB/s for memory-bound ops), flash attention (no s x s matrices saved), per rank
+    with FSDP over ``world_size`` ranks (parameters, gradients and AdamW state sharded).
+
+    With T = b*s*h*2 bytes (32 MiB at 1 x 4096 x 4096) and Tf = b*s*ffn*2 bytes (86 MiB):
+
+    * RMSNorm (torchtitan style: x.float() -> normalise -> type_as -> * weight): keeps the fp32 copy (2T),
+      the bf16 normalised tensor (T) and its output (T, saved by the next Linear) = 4T; temp 2T (pow in fp32).
+      ~0.08 ms (about 6 passes over T at 2.68 TB/s).
+    * attention: wq/wk projections are consumed by RoPE (x.float() -> complex mul -> type_as), which keeps the
+      fp32 complex view (2T) and the rotated bf16 tensor (T) for q and k: 6T; wv's output (T) and the flash
+      output (T) + log-sum-exp (b*heads*s*4 bytes = 0.5 MiB) are saved; wo's output is the module output and is
+      not kept (the residual add saves nothing): 8T + 0.5 MiB = 256.5 MiB. Each projection is 2*s*h*h =
+      137 GFLOP -> 0.185 ms; flash forward 4*s*s*h/2 = 137 GFLOP at ~60% -> 0.25 ms; RoPE ~0.03 ms per tensor.
+    * feed_forward (SwiGLU): w1 and w3 outputs (saved by silu / mul), silu output and the product (saved by w2)
+      = 4Tf = 344 MiB; each projection 2*s*h*ffn = 369 GFLOP -> 0.498 ms; silu / mul ~0.1 ms each.
+    * block: residual adds keep nothing (add saves no inputs; the block input/output are transient for it):
+      A_block = 4T + 8T + 0.5 MiB + 4T + 4Tf = 856.5 MiB per block, R_block = ~2.9 ms.
+    * params per block 4*h*h + 3*h*ffn = 202M -> 404 MB bf16, 1/world_size per rank; optimizer AdamW
+      fp32 m, v = 4x the bf16 parameter bytes. Embedding/output 32000*4096 params each.
+    * output projection 2*s*h*vocab = 1.07 TFLOP -> 1.45 ms; its fp32 log-softmax (s*vocab*4 = 500 MiB) is
+      kept by the loss (attributed to the root).
+    """
+    T = batch * seq * hidden * 2
+    Tf = batch * seq * ffn * 2
+    lse = batch * 32 * seq * 4
+    p_attn = 4 * hidden * hidden * 2 // world_size
+    p_lin = hidden * hidden * 2 // world_size
+    p_ffn = hidden * ffn * 2 // world_size
+    p_norm = hidden * 2 // world_size
+    p_emb = vocab * hidden * 2 // world_size
+    mm_h = 2 * seq * hidden * hidden * batch
+    mm_f = 2 * seq * hidden * ffn * batch
+    t_h, t_f, t_sdpa = 0.185, 0.498, 0.25
+    norm_rows = [
+        ("aten._to_copy.default", 2 * T, 0.025, 0),
+        ("aten.mul.Tensor", T, 0.04, 0),
+        ("aten.mul.Tensor", T, 0.015, 0),
+    ]
+    attn_rows = [
+        ("aten.mm.default", T, t_h, mm_h),  # wv (saved by sdpa)
+        ("aten._to_copy.default", 2 * T, t_h + 0.015, mm_h),  # wq + x.float()
+        ("aten.view_as_complex.default", 0, 0.001, 0, "view"),
+        ("aten._to_copy.default", T, 0.015, 0),  # rotated q, type_as
+        ("aten._to_copy.default", 2 * T, t_h + 0.015, mm_h),  # wk + x.float()
+        ("aten.view_as_complex.default", 0, 0.001, 0, "view"),
+        ("aten._to_copy.default", T, 0.015, 0),  # rotated k
+        ("aten.transpose.int", 0, 0.001, 0, "view"),
+        ("aten._scaled_dot_product_flash_attention.default", T + lse, t_sdpa, 2 * seq * seq * hidden * batch),
+        ("aten.transpose.int", 0, 0.001, 0, "view"),
+        ("aten.mm.default", T, t_h, mm_h, "output"),  # wo: module output
+    ]
+    ffn_rows = [
+        ("aten.mm.default", Tf, t_f, mm_f),  # w1
+        ("aten.silu.default", Tf, 0.1, 0),
+        ("aten.mm.default", Tf, t_f, mm_f),  # w3
+        ("aten.mul.Tensor", Tf, 0.1, 0),
+        ("aten.mm.default", T, t_f, mm_f, "output"),  # w2
+    ]
+    attn_ops = _ops(attn_rows) if with_ops else ()
+    ffn_ops = _ops(ffn_rows) if with_ops else ()
+    blk_ops = _ops(_block_rows(norm_rows, attn_rows, ffn_rows)) if with_ops else ()
+    norm_ms = sum(r[2] for r in norm_rows)
+
+    def norm(name: str) -> Spec:
+        return Spec(name, act=3 * T, tmp=2 * T, params=p_norm, fw_ms=norm_ms, no_tradeoff=True,
+                    module_type="RMSNorm", out=T)
+
+    def lin(name: str, params: int, ms: float, out: int = 0, tmp: int = 0) -> Spec:
+        return Spec(name, params=params, fw_ms=ms, no_tradeoff=True, module_type="Linear", out=out, tmp=tmp)
+
+    def block(i: int) -> Spec:
+        attn = Spec(
+            "attention",
+            children=[lin("wq", p_lin, 0.0, tmp=T), lin("wk", p_lin, 0.0, tmp=T), lin("wv", p_lin, t_h, out=T),
+                      lin("wo", p_lin, t_h, tmp=T)],
+            act=6 * T + T + lse, tmp=2 * T, fw_ms=sum(r[2] for r in attn_rows) - 2 * t_h,
+            ops=attn_ops, module_type="Attention",
+        )
+        ff = Spec(
+            "feed_forward",
+            children=[lin("w1", p_ffn, t_f, out=Tf), lin("w2", p_ffn, t_f, tmp=T), lin("w3", p_ffn, t_f, out=Tf)],
+            act=2 * Tf, fw_ms=0.2, ops=ffn_ops, module_type="FeedForward",
+        )
+        return Spec(str(i), children=[norm("attention_norm"), attn, norm("ffn_norm"), ff], tmp=T, fw_ms=0.04,
+                    ops=blk_ops, module_type="TransformerBlock")
+
+    layers = Spec("layers", children=[block(i) for i in range(n_blocks)], no_tradeoff=True, module_type="ModuleList")
+    root = Spec(
+        "model",
+        children=[
+            lin("tok_embeddings", p_emb, 0.02, tmp=T),
+            layers,
+            norm("norm"),
+            lin("output", p_emb, 1.45, tmp=seq * vocab * 2 * batch),
+        ],
+        act=seq * vocab * 4 * batch, tmp=seq * vocab * 4 * batch, fw_ms=0.6, no_tradeoff=True, module_type="Transformer",
+    )
+    return root
+
+
+def _block_rows(norm_rows, attn_rows, ffn_rows) -> list[tuple]:
+    """A block's ops: its sub-modules' ops in forward order; wo/w2 outputs and the first residual add are
+    transient inside the block (the residual add keeps nothing): not saved by autograd, they cost their bytes
+    to save under SAC."""
+    T = attn_rows[0][1]
+    rows = list(norm_rows) + list(attn_rows[:-1])
+    rows.append(("aten.mm.default", T, attn_rows[-1][2], attn_rows[-1][3], "transient"))  # wo
+    rows.append(("aten.add.Tensor", T, 0.02, 0, "transient"))  # h = x + attention(...)
+    rows += list(norm_rows) + list(ffn_rows[:-1])
+    rows.append(("aten.mm.default", T, ffn_rows[-1][2], ffn_rows[-1][3], "transient"))  # w2
+    rows.append(("aten.add.Tensor", T, 0.02, 0, "output"))
+    return rows
+
+
+def llama_tree(n_blocks: int, *, world_size: int = 8, with_ops: bool = True, **kw) -> ModuleTree:
+    """:func:`llama_spec` simulated (stats per rank for ``world_size`` FSDP ranks)."""
+    return build_tree(
+        llama_spec(n_blocks, world_size=world_size, with_ops=with_ops, **kw),
+        world_size=world_size,
+        optimizer_factor=4.0,
+        model_name=f"llama7b-{n_blocks}L",
+        loss_tmp=4096 * 32000 * 4,
+    )
+
+
+def manual_stats(
+    modules: Sequence[tuple[str, str | None, tuple[int, ...], TradeOff | None]],
+    fw_post_order: Sequence[str],
+    bw_pre_order: Sequence[str],
+    events: Sequence[MemoryEvent],
+    *,
+    world_size: int = 1,
+    device: DeviceSpec = H100,
+) -> ModelStats:
+    """ModelStats written by hand: ``modules`` = (fqn, parent, act_bytes per call, tradeoff) in pre-order.
+
+    Every other field gets a neutral value; orders not given are derived (fw_pre = first-seen pre-order,
+    bw_post = reverse of fw_pre).
+    """
+    children: dict[str | None, list[str]] = {}
+    for fqn, parent, _, _ in modules:
+        children.setdefault(parent, []).append(fqn)
+    mods = []
+    for fqn, parent, act, tr in modules:
+        calls = sum(1 for f in fw_post_order if f == fqn)
+        depth = 0 if parent is None else fqn.count(".") + 1
+        empty = {k: MemSnapshot() for k in ("pre_fw", "peak_fw", "post_fw", "pre_bw", "peak_bw", "post_bw")}
+        mods.append(
+            ModuleStats(
+                fqn=fqn, module_type="Module", parent=parent, depth=depth, is_leaf=fqn not in children,
+                calls=calls, param_bytes=0, buffer_bytes=0, grad_bytes=0, optimizer_bytes=0,
+                input_bytes=0, output_bytes=0, act_bytes=tuple(act), act_grad_bytes=tuple(0 for _ in act),
+                fw_transient_bytes=tuple(0 for _ in act), fw_ms=tuple(1.0 for _ in act),
+                bw_ms=tuple(2.0 for _ in act), fw_flops=tuple(0 for _ in act), bw_flops=tuple(0 for _ in act),
+                snapshots=tuple(empty for _ in act), tradeoff=tr,
+            )
+        )
+    pre = [m[0] for m in modules]
+    peak = max(events, key=lambda e: e.peak_bytes)
+    return ModelStats(
+        device=device, model_name="manual", dtype="torch.float32", world_size=world_size,
+        modules=tuple(mods), fw_pre_order=tuple(pre), fw_post_order=tuple(fw_post_order),
+        bw_pre_order=tuple(bw_pre_order), bw_post_order=tuple(reversed(pre)), events=tuple(events),
+        peak_bytes=peak.peak_bytes, peak_phase=peak.phase, peak_module=peak.module,
+        peak_snapshot=MemSnapshot(activation=peak.peak_bytes), param_bytes=0, grad_bytes=0, optimizer_bytes=0,
+        fw_ms=3.0, bw_ms=6.0, optimizer_ms=0.0, fw_flops=0, bw_flops=0, fingerprint="manual",
+    )

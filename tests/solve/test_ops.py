@@ -1,0 +1,168 @@
+"""Op-level selection: constraints (views, in-place groups, random ops) and knapsack optimality."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from sacplan.errors import ConfigError, InfeasibleBudgetError
+from sacplan.solve import ops as ops_mod
+from sacplan.solve import select_ops
+from sacplan.solve.ops import max_saved_bytes_for
+from sacplan.stats import OpStat
+
+
+def op(i, nbytes, ms, *, view=False, rand=False, inplace=None, flops=0, name=None):
+    return OpStat(
+        index=i,
+        name=name or f"aten.op{i}.default",
+        occurrence=0,
+        out_bytes=0 if view else nbytes,
+        runtime_ms=ms,
+        flops=flops,
+        is_view=view,
+        is_random=rand,
+        inplace_of=inplace,
+        saved_by_autograd=not view,
+        save_cost_bytes=0 if view else nbytes,
+    )
+
+
+def brute_force(ops, cap, stop, force_store_random=False):
+    """Best recompute ms over all 0/1 save vectors meeting every rule (independent of the module)."""
+    n = len(ops)
+    pos = {o.index: p for p, o in enumerate(ops)}
+    best = None
+    for x in itertools.product((0, 1), repeat=n):
+        ok = True
+        for p, o in enumerate(ops):
+            if o.is_view and x[p]:
+                ok = False
+            if o.inplace_of is not None:
+                q = pos.get(o.inplace_of)
+                if q is None or q == p:
+                    if not x[p] and not any(ops[r].is_view for r in range(n) if r == p):
+                        ok = False
+                elif x[p] != x[q]:
+                    ok = False
+        rand = [p for p, o in enumerate(ops) if o.is_random]
+        if force_store_random and any(not x[p] for p in rand):
+            ok = False
+        if not force_store_random and len({x[p] for p in rand}) > 1:
+            ok = False
+        if not ok or sum(o.save_cost_bytes for p, o in enumerate(ops) if x[p]) > cap:
+            continue
+        ms = sum(o.runtime_ms for p, o in enumerate(ops) if not x[p] and o.index < stop)
+        best = ms if best is None else min(best, ms)
+    return best
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    ops_mod.clear_cache()
+    yield
+    ops_mod.clear_cache()
+
+
+def test_views_are_never_saved():
+    ops = [op(0, 100, 1.0), op(1, 0, 5.0, view=True), op(2, 100, 1.0)]
+    sel = select_ops(ops, 1000)
+    assert 1 not in sel.saved
+    assert sel.saved == (0, 2) and sel.saved_bytes == 200
+    assert sel.recompute_ms == pytest.approx(5.0)
+
+
+def test_inplace_ops_follow_their_head():
+    # op1 modifies op0's output in place: both saved or both recomputed
+    ops = [op(0, 100, 1.0), op(1, 0, 3.0, inplace=0), op(2, 60, 1.0)]
+    sel = select_ops(ops, 100)
+    assert sel.saved == (0, 1)  # 4 ms saved for 100 bytes beats op2
+    sel = select_ops(ops, 90)
+    assert sel.saved == (2,)
+    assert sel.recompute_ms == pytest.approx(4.0)
+
+
+def test_inplace_head_without_producer_is_saved():
+    ops = [op(0, 50, 1.0, inplace=7), op(1, 100, 2.0)]  # op 7 is not in this module
+    sel = select_ops(ops, 60)
+    assert 0 in sel.saved and 1 not in sel.saved
+    with pytest.raises(InfeasibleBudgetError):
+        select_ops(ops, 10)
+
+
+def test_random_ops_all_or_nothing():
+    ops = [op(0, 100, 1.0, rand=True), op(1, 10, 1.0), op(2, 100, 1.0, rand=True)]
+    sel = select_ops(ops, 150)
+    assert not ({0, 2} & set(sel.saved)) and sel.saved == (1,)
+    sel = select_ops(ops, 200)
+    assert {0, 2} <= set(sel.saved)
+    sel = select_ops(ops, 200, force_store_random=True)
+    assert {0, 2} <= set(sel.saved)
+    with pytest.raises(InfeasibleBudgetError):
+        select_ops(ops, 150, force_store_random=True)
+
+
+def test_recompute_stop_and_flops():
+    ops = [op(0, 100, 1.0, flops=10), op(1, 100, 2.0, flops=20), op(2, 100, 4.0, flops=40)]
+    sel = select_ops(ops, 0, recompute_stop=2)
+    assert sel.saved == () and sel.recompute_ms == pytest.approx(3.0) and sel.recompute_flops == 30
+    # saving op 2 gains nothing: it is never recomputed
+    sel = select_ops(ops, 100, recompute_stop=2)
+    assert sel.saved == (1,) and sel.recompute_ms == pytest.approx(1.0)
+
+
+def test_bad_budget():
+    with pytest.raises(ConfigError):
+        select_ops([op(0, 1, 1.0)], -1)
+
+
+def test_max_saved_bytes_for():
+    assert max_saved_bytes_for(0.25, 1000) == 750
+    assert max_saved_bytes_for(1.0, 1000) == 0
+    assert max_saved_bytes_for(-1, 1000) == 1000
+    assert max_saved_bytes_for(1 / 3, 10) == 6
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_knapsack_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    ops = []
+    for i in range(n):
+        kind = rng.random()
+        if kind < 0.15:
+            ops.append(op(i, 0, rng.uniform(0, 0.1), view=True))
+        elif kind < 0.3 and i > 0:
+            ops.append(op(i, 0 if rng.random() < 0.5 else rng.randint(1, 50), rng.uniform(0, 2), inplace=rng.randrange(i)))
+        elif kind < 0.4:
+            ops.append(op(i, rng.randint(1, 200), rng.uniform(0, 3), rand=True))
+        else:
+            ops.append(op(i, rng.randint(0, 200), rng.uniform(0, 3), flops=rng.randint(0, 100)))
+    total = sum(o.save_cost_bytes for o in ops)
+    cap = rng.randint(0, total + 10)
+    stop = rng.choice([n, rng.randint(0, n)])
+    force = rng.random() < 0.2
+    best = brute_force(ops, cap, stop, force)
+    solver = "cbc" if seed % 2 else "highs"
+    if best is None:
+        with pytest.raises(InfeasibleBudgetError):
+            select_ops(ops, cap, recompute_stop=stop, force_store_random=force, solver=solver)
+        return
+    sel = select_ops(ops, cap, recompute_stop=stop, force_store_random=force, solver=solver)
+    assert sel.saved_bytes <= cap
+    assert sel.recompute_ms == pytest.approx(best, abs=1e-9)
+    saved = set(sel.saved)
+    assert not any(ops[i].is_view for i in saved)
+    assert sel.recompute_flops == sum(o.flops for o in ops if o.index not in saved and o.index < stop)
+
+
+def test_memoised():
+    ops = tuple(op(i, 10 * (i + 1), 1.0 + (i % 3)) for i in range(10))
+    a = select_ops(ops, 123)
+    n = len(ops_mod._CACHE)
+    b = select_ops(list(ops), 123)  # same ops, same budget: one entry
+    assert a is b and len(ops_mod._CACHE) == n
+    select_ops(ops, 124)
+    assert len(ops_mod._CACHE) == n + 1
