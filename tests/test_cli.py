@@ -14,20 +14,6 @@ from sacplan.cli import main
 TINY = ["llama-tiny", "-q"]  # bf16 on H100: no-AC peak ~1.97 MiB, minimum feasible ~1.41 MiB
 
 
-@pytest.fixture(autouse=True)
-def _highs_accepts_warnings(monkeypatch):
-    """HiGHS' passModel may return kWarning for a valid model; treat it as OK (harmless once fixed upstream)."""
-    try:
-        import highspy
-    except ImportError:
-        return
-    orig = highspy.Highs.passModel
-
-    def pass_model(self, lp):
-        r = orig(self, lp)
-        return highspy.HighsStatus.kOk if r == highspy.HighsStatus.kWarning else r
-
-    monkeypatch.setattr(highspy.Highs, "passModel", pass_model)
 
 
 def _err_line(capsys) -> tuple[str, str]:
@@ -41,16 +27,7 @@ def _err_line(capsys) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli") / "plan.json"
-    import highspy
-
-    orig = highspy.Highs.passModel
-    highspy.Highs.passModel = lambda self, lp: (
-        lambda r: highspy.HighsStatus.kOk if r == highspy.HighsStatus.kWarning else r
-    )(orig(self, lp))
-    try:
-        assert main(["plan", *TINY, "--budget", "1.75MiB", "-o", str(path)]) == 0
-    finally:
-        highspy.Highs.passModel = orig
+    assert main(["plan", *TINY, "--budget", "1.75MiB", "-o", str(path)]) == 0
     return path
 
 

@@ -10,17 +10,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# HiGHS' passModel may return kWarning for a valid model; treat it as OK (harmless once fixed upstream).
-SHIM = (
-    "import highspy\n"
-    "_o = highspy.Highs.passModel\n"
-    "highspy.Highs.passModel = lambda self, lp: (lambda r: highspy.HighsStatus.kOk "
-    "if r == highspy.HighsStatus.kWarning else r)(_o(self, lp))\n"
-)
 
 
 def _run_example(name: str, *args: str, timeout: int = 120) -> str:
-    code = SHIM + "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+    code = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
     r = subprocess.run(
         [sys.executable, "-c", code, str(ROOT / "examples" / name), *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -34,7 +27,7 @@ def test_notebook_executes():
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "notebooks" / "explore.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "store the notebook without outputs"
-    nb.cells.insert(0, nbformat.v4.new_code_cell(SHIM + "import matplotlib\nmatplotlib.use('Agg')"))
+    nb.cells.insert(0, nbformat.v4.new_code_cell("import matplotlib\nmatplotlib.use('Agg')"))
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "budget sweep for llama-small" in text

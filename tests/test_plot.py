@@ -12,20 +12,6 @@ from sacplan.plot import plot_memory_timeline, plot_pareto, plot_tradeoff  # noq
 from sacplan.tree import ModuleTree  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _highs_accepts_warnings():
-    """HiGHS' passModel may return kWarning for a valid model; treat it as OK (harmless once fixed upstream)."""
-    try:
-        import highspy
-    except ImportError:
-        yield
-        return
-    orig = highspy.Highs.passModel
-    highspy.Highs.passModel = lambda self, lp: (
-        lambda r: highspy.HighsStatus.kOk if r == highspy.HighsStatus.kWarning else r
-    )(orig(self, lp))
-    yield
-    highspy.Highs.passModel = orig
 
 
 @pytest.fixture(scope="module")

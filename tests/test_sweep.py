@@ -11,20 +11,6 @@ from sacplan.sweep import SweepResult, full_ac_point, repeated_blocks, sweep
 from sacplan.tree import ModuleTree
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _highs_accepts_warnings():
-    """HiGHS' passModel may return kWarning for a valid model; treat it as OK (harmless once fixed upstream)."""
-    try:
-        import highspy
-    except ImportError:
-        yield
-        return
-    orig = highspy.Highs.passModel
-    highspy.Highs.passModel = lambda self, lp: (
-        lambda r: highspy.HighsStatus.kOk if r == highspy.HighsStatus.kWarning else r
-    )(orig(self, lp))
-    yield
-    highspy.Highs.passModel = orig
 
 
 @pytest.fixture(scope="module")
