@@ -16,6 +16,7 @@ import torch
 
 from sacplan.collect import collect
 from sacplan.devices import CPU, DeviceSpec
+from sacplan.errors import InfeasibleBudgetError
 from sacplan.models import get_model
 from sacplan.solve import solve
 from sacplan.tree import ModuleTree
@@ -27,7 +28,7 @@ GiB = 2**30
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--fracs", type=float, nargs="+", default=[0.9, 0.75, 0.6])
+    ap.add_argument("--fracs", type=float, nargs="+", default=[0.9, 0.8, 0.7])
     ap.add_argument("--models", nargs="+", default=["llama-tiny:4:128", "llama-small:2:256", "cnn-tiny:16"])
     args = ap.parse_args()
     spec = CPU if args.device == "cpu" else DeviceSpec.from_current_cuda()
@@ -45,7 +46,11 @@ def main() -> None:
         stats = collect(model_fn, inputs_fn(), device=spec, loss_fn=preset.loss_fn)
         tree = ModuleTree(stats)
         for frac in args.fracs:
-            plan = solve(tree, int(stats.peak_bytes * frac))
+            try:
+                plan = solve(tree, int(stats.peak_bytes * frac))
+            except InfeasibleBudgetError as e:
+                print(f"{entry:16s} {frac:7.0%}  infeasible (minimum feasible {e.min_feasible_bytes / 2**20:.2f} MiB)")
+                continue
             r = validate(model_fn, inputs_fn, plan, loss_fn=preset.loss_fn, device=args.device)
             print(
                 f"{entry:16s} {frac:7.0%} {r.predicted_peak_bytes / 2**20:13.2f} {r.planned.peak_bytes / 2**20:13.2f} "

@@ -15,6 +15,8 @@ seconds. Runs are deterministic: one thread unless asked otherwise, fixed random
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import re
@@ -220,7 +222,21 @@ def solve_model(
     if model.num_cols == 0:
         return SolveResult(OPTIMAL, [], model.obj_offset, model.obj_offset, 0.0, 0.0, name, "empty")
     if name == "cbc":
-        return _solve_cbc(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, priorities, options)
+        try:
+            return _solve_cbc(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, priorities, options)
+        except SolverError as first:
+            # The bundled CBC binary occasionally dies without a log on a valid model (seen with
+            # warm starts). Retry plainly, then with HiGHS when installed; say so in the result.
+            try:
+                res = _solve_cbc(model, time_limit_s, gap_rel, gap_abs, threads, None, feas_tol, None, options)
+                return dataclasses.replace(res, log=f"CBC retried without warm start/priorities after: {first}\n" + res.log)
+            except SolverError:
+                try:
+                    import highspy  # noqa: F401
+                except ImportError:
+                    raise first from None
+                res = _solve_highs(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, None)
+                return dataclasses.replace(res, log=f"CBC failed ({first}); solved with HiGHS\n" + res.log)
     if priorities and any(model.col_int):
         return _branch_on_priorities(
             model, priorities, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, highs_options
@@ -352,7 +368,12 @@ def _solve_cbc(
         try:
             prob.solve(cmd)
         except pulp.PulpSolverError as e:
-            raise SolverError(f"CBC failed: {e}") from e
+            try:
+                with open(log_path) as f:
+                    tail = f.read()[-600:]
+            except OSError:
+                tail = ""
+            raise SolverError(f"CBC failed: {e}; CBC log tail: {tail!r}") from e
         solve_s = time.perf_counter() - t0
         try:
             with open(log_path) as f:
