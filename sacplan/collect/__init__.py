@@ -63,6 +63,9 @@ def collect(
     model_name: str | None = None,
     max_lines: int = DEFAULT_MAX_LINES,
     progress: Callable[[str], None] | None = None,
+    world_size: int = 1,
+    fsdp_units: Any = "each block",
+    ddp: bool = False,
 ) -> ModelStats:
     """Run one training step of ``model`` on fake tensors and return its statistics for ``device``.
 
@@ -85,6 +88,11 @@ def collect(
         model_name: label for reports (defaults to the preset name or class name).
         max_lines: cap on trade-off lines per module before the pwlf simplification.
         progress: called with short status strings (for CLIs on large models).
+        world_size: ranks to plan for (simulated: no process group needed). Above 1 the returned stats are
+            per rank, through :func:`sacplan.distributed.shard_stats`.
+        fsdp_units: FSDP2 units when ``world_size > 1``: ``"each block"`` (repeated blocks + root), a list of
+            fqns, or a predicate ``(fqn, ModuleStats) -> bool``.
+        ddp: plan for DDP replicas (gradient buckets) instead of FSDP2.
 
     Returns:
         :class:`ModelStats` of the second step (optimizer state exists), sizes per the target allocator.
@@ -184,7 +192,14 @@ def collect(
         runtime_mode=runtime,
         host="cpu-fake",
     )
-    return _replace(stats, meta=meta)
+    stats = _replace(stats, meta=meta)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if world_size > 1:
+        from sacplan.distributed import shard_stats
+
+        stats = shard_stats(stats, world_size, fsdp_units=fsdp_units, mode="ddp" if ddp else "fsdp")
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------- build

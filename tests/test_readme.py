@@ -1,0 +1,33 @@
+"""Every command in the README runs: the two commands' main job, and the Python quick start."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_states_the_two_commands():
+    assert "\nsacplan plan " in README and "python3 -m pytest -q" in README
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m pytest -q" in ci and 'pip install -q -e ".[test]"' in ci and "torch==2.13.0" in ci
+
+
+def test_main_job_default_model():
+    r = subprocess.run([sys.executable, "-m", "sacplan", "plan", "-q"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "SAC plan: llama-1b on H100-SXM" in r.stdout and "predicted peak" in r.stdout
+
+
+def test_python_quick_start(tmp_path):
+    block = re.search(r"## Quick start \(Python\)\n\n```python\n(.*?)```", README, re.S).group(1)
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "plan.json").exists()
+    assert "SAC plan for llama-7b" in r.stdout
