@@ -5,6 +5,7 @@ Usage::
     python benchmarks/solver_scaling.py                       # N = 2, 8, 32, 80, 128 blocks; 90/70/50% budgets
     python benchmarks/solver_scaling.py --blocks 8,32 --ref-max-blocks 8
     python benchmarks/solver_scaling.py --collected           # also real trees from sacplan.collect
+                                                              # (Llama-7B shape, planned for 8 FSDP ranks)
 
 Trees: synthetic Llama-7B-shaped models (``tests/solve/synthetic.py:llama_spec``; the per-module bytes and
 milliseconds are derived in its docstring: hidden 4096, seq 4096, batch 1, bf16, flash attention, H100-SXM,
@@ -46,35 +47,42 @@ from sacplan.units import GiB  # noqa: E402
 from synthetic import llama_tree  # noqa: E402
 
 
-def run_reference(info, budget_frac: float):
+def ref_baseline(graph, world_size: int = 1) -> float:
+    """The reference model's no-checkpointing peak: max_i (P_1 + TG_i)/world_size + AG_i + TA_i (bytes)."""
+    p1 = graph.nodes[0]["param_per_module"]
+    return max(
+        (p1 + n["grad_total"]) / world_size + n["act_grad_per_module"] + n["act_total"] for n in graph.nodes
+    )
+
+
+def run_reference(info, budget_frac: float, world_size: int = 1):
     """PyTorch's sac_milp on the tree's ModuleInfo; returns (seconds, objective ms or None, budget GiB)."""
     from torch.distributed._tools import sac_ilp
-    from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
+    from torch.distributed._tools.ilp_utils import parse_module_info
 
     logging.getLogger(sac_ilp.__name__).setLevel(logging.CRITICAL)
     t0 = time.perf_counter()
     graph = parse_module_info(copy.deepcopy(info))
-    peak, _ = get_peak_memory_runtime_baseline(graph)
-    budget = peak * budget_frac / GiB
+    budget = ref_baseline(graph, world_size) * budget_frac / GiB
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dec, ms, pk = sac_ilp.sac_milp(graph, budget)
+        dec, ms, pk = sac_ilp.sac_milp(graph, budget, world_size=world_size)
     return time.perf_counter() - t0, (None if pk == -1 else ms), budget
 
 
-def run_compat(info, budget_gib: float, solver: str):
+def run_compat(info, budget_gib: float, solver: str, world_size: int = 1):
     from torch.distributed._tools.ilp_utils import parse_module_info
 
     t0 = time.perf_counter()
     graph = parse_module_info(copy.deepcopy(info))
-    dec, ms, pk = sac_milp(graph, budget_gib, solver=solver)
+    dec, ms, pk = sac_milp(graph, budget_gib, world_size=world_size, solver=solver)
     return time.perf_counter() - t0, (None if pk == -1 else ms)
 
 
-def bench_tree(name: str, tree, fracs, args, rows):
-    base = baseline_peak(tree)
+def bench_tree(name: str, tree, fracs, args, rows, world_size: int | None = None):
+    base = baseline_peak(tree, world_size=world_size)
     info = tree.to_torch_module_info() if args.reference else None
-    n_blocks = sum(1 for n in tree.nodes if n.stats.module_type == "TransformerBlock")
+    n_blocks = sum(1 for n in tree.nodes if "Block" in n.stats.module_type)
     for frac in fracs:
         row = {"tree": name, "blocks": n_blocks, "nodes": len(tree), "budget": frac}
         runs = []
@@ -83,7 +91,9 @@ def bench_tree(name: str, tree, fracs, args, rows):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    plan = solve(tree, int(base * frac), solver=args.solver, time_limit_s=args.time_limit)
+                    plan = solve(
+                        tree, int(base * frac), world_size=world_size, solver=args.solver, time_limit_s=args.time_limit
+                    )
                 runs.append(
                     dict(
                         build=plan.build_s, solve=plan.solve_s, total=time.perf_counter() - t0, status=plan.status,
@@ -96,15 +106,17 @@ def bench_tree(name: str, tree, fracs, args, rows):
         if args.reference:
             import torch.distributed._tools.ilp_utils  # noqa: F401 - fail early when torch is absent
 
+            # the reference divides (params + grads) by world_size relative to the tree's own numbers
+            rws = max(1, (world_size or tree.stats.world_size) // max(1, tree.stats.world_size))
+
             if n_blocks <= args.ref_max_blocks:
-                ref_s, ref_obj, ref_budget = run_reference(info, frac)
+                ref_s, ref_obj, ref_budget = run_reference(info, frac, rws)
                 row.update(ref_s=ref_s, ref_obj=ref_obj)
             else:
-                from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
+                from torch.distributed._tools.ilp_utils import parse_module_info
 
-                peak, _ = get_peak_memory_runtime_baseline(parse_module_info(copy.deepcopy(info)))
-                ref_budget = peak * frac / GiB
-            compat = sorted(run_compat(info, ref_budget, args.solver) for _ in range(args.repeat))
+                ref_budget = ref_baseline(parse_module_info(copy.deepcopy(info)), rws) * frac / GiB
+            compat = sorted(run_compat(info, ref_budget, args.solver, rws) for _ in range(args.repeat))
             c_s, c_obj = compat[len(compat) // 2]
             row.update(compat_s=c_s, compat_obj=c_obj)
         rows.append(row)
@@ -137,54 +149,35 @@ def print_row(r, flush=False):
 
 
 def collected_trees(sizes):
-    """Real trees from sacplan.collect on a small Llama-like torch model (skipped if collect is missing)."""
+    """Real trees from ``sacplan.collect`` of the Llama-7B shape (hidden 4096, seq 4096, batch 1, bf16, AdamW,
+    H100 target) with ``n`` layers; skipped gracefully when ``sacplan.collect`` is unavailable."""
     try:
-        from sacplan.collect import collect  # noqa: F401
+        import torch
+
+        from sacplan.collect import collect
+        from sacplan.models import get_model
+        from sacplan.models.llama import LLAMA_PRESETS, example_tokens, next_token_loss
+        from sacplan.tree import ModuleTree
     except Exception as e:  # pragma: no cover - depends on the checkout
         print(f"# --collected skipped: sacplan.collect is not available ({type(e).__name__}: {e})")
         return
-    import torch
-    from torch import nn
-
-    from sacplan.tree import ModuleTree
-
-    class Block(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.attention_norm = nn.LayerNorm(d)
-            self.attention = nn.MultiheadAttention(d, 8, batch_first=True)
-            self.ffn_norm = nn.LayerNorm(d)
-            self.feed_forward = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-        def forward(self, x):
-            h = self.attention_norm(x)
-            x = x + self.attention(h, h, h, need_weights=False)[0]
-            return x + self.feed_forward(self.ffn_norm(x))
-
-    class Model(nn.Module):
-        def __init__(self, n, d=512, vocab=1000):
-            super().__init__()
-            self.tok_embeddings = nn.Embedding(vocab, d)
-            self.layers = nn.ModuleList(Block(d) for _ in range(n))
-            self.norm = nn.LayerNorm(d)
-            self.output = nn.Linear(d, vocab)
-
-        def forward(self, idx):
-            x = self.tok_embeddings(idx)
-            for layer in self.layers:
-                x = layer(x)
-            return self.output(self.norm(x))
-
+    preset = get_model("llama-7b")
+    vocab = LLAMA_PRESETS["llama-7b"].vocab_size
     for n in sizes:
         try:
-            model = Model(n)
-            idx = torch.randint(0, 1000, (2, 256))
-            stats = collect(model, (idx,))
-            tree = stats if isinstance(stats, ModuleTree) else ModuleTree(stats)
+            t0 = time.perf_counter()
+            stats = collect(
+                lambda: preset.build(dtype=torch.bfloat16, n_layers=n),
+                lambda: (example_tokens(1, 4096, vocab),),
+                loss_fn=lambda out, inputs: next_token_loss(out, inputs[0]),
+                device="h100",
+                model_name=f"llama-7b-shape-{n}L",
+            )
+            print(f"# collected llama-7b-shape-{n}L in {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as e:  # pragma: no cover - depends on collect's state
-            print(f"# --collected: collect() failed for {n} blocks ({type(e).__name__}: {e}); skipped")
+            print(f"# --collected: collect() failed for {n} layers ({type(e).__name__}: {e}); skipped")
             return
-        yield f"collected-{n}", tree
+        yield f"collected-{n}L", ModuleTree(stats)
 
 
 def main(argv=None) -> int:
@@ -197,6 +190,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reference", dest="reference", action="store_false", help="skip the PyTorch columns")
     ap.add_argument("--collected", action="store_true", help="also benchmark trees from sacplan.collect")
     ap.add_argument("--repeat", type=int, default=3, help="sacplan runs per cell (the median is shown)")
+    ap.add_argument("--collected-layers", default="2,8,32", help="layer counts of the collected trees")
+    ap.add_argument(
+        "--collected-world-size", type=int, default=8,
+        help="plan collected trees for this many FSDP ranks (at 1 rank AdamW state dominates a 7B-shaped model)",
+    )
     args = ap.parse_args(argv)
     blocks = [int(x) for x in args.blocks.split(",") if x]
     fracs = [float(x) for x in args.budgets.split(",") if x]
@@ -207,8 +205,9 @@ def main(argv=None) -> int:
     for n in blocks:
         bench_tree(f"llama7b-{n}L", llama_tree(n), fracs, args, rows)
     if args.collected:
-        for name, tree in collected_trees([2, 8]):
-            bench_tree(name, tree, fracs, args, rows)
+        sizes = [int(x) for x in args.collected_layers.split(",") if x]
+        for name, tree in collected_trees(sizes):
+            bench_tree(name, tree, fracs, args, rows, world_size=args.collected_world_size)
     return 0
 
 

@@ -18,8 +18,8 @@ Why an upper bound: between two greedy vertices no plan exists, so the cost of d
 next vertex's (a staircase). The line of greedy segment ``k`` shifted up to pass through
 ``(r_{k-1}, q_k)`` is above the staircase on that segment; the max of those lines is convex and above the
 staircase everywhere, so the MILP stays exact and a plan never costs more than the solver predicted.
-When there are more than ``max_lines`` segments, ``pwlf`` fits fewer segments, and the fit is raised until
-it bounds every staircase corner again.
+When there are more than ``max_lines`` segments, the curve is simplified to the chords between its biggest
+bends, each raised just enough to bound the staircase corners in its own range (see :func:`_fit_fewer`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from sacplan.stats import OpStat, TradeOff
 
-#: Default cap on lines per module before pwlf simplifies the curve.
+#: Default cap on lines per module before the curve is simplified to chords of its biggest bends.
 DEFAULT_MAX_LINES = 8
 
 
@@ -181,24 +181,37 @@ def _upper_lines(points: tuple[tuple[float, float], ...], max_lines: int) -> tup
 
 
 def _fit_fewer(points: Sequence[tuple[float, float]], n_lines: int) -> tuple[list[float], list[float]]:
-    """pwlf fit of the staircase corners with ``n_lines`` segments, raised to bound every corner."""
-    import pwlf
+    """At most ``n_lines`` lines whose max is convex and bounds the achievable staircase everywhere.
 
+    The greedy vertices lie on a convex polyline. Keeping the ``n_lines - 1`` interior vertices where the
+    slope grows most (where the curve bends) gives a coarser polyline whose chords have increasing slopes;
+    each chord, extended, stays below the convex curve outside its own range. Each chord is then raised
+    just enough to lie above the staircase corners inside its range (a per-segment lift). A least-squares
+    fit (``pwlf``) was used here before, but its segments are not convex and its lines, extended outside
+    their ranges, could dominate the max (q(0) of 299 was seen on a Llama block): chords are exact and fast.
+    """
     corners = staircase_corners(points)
-    x = np.array([c[0] for c in corners] + [points[-1][0]])
-    y = np.array([c[1] for c in corners] + [points[-1][1]])
     n_seg = max(1, n_lines)
-    # Breaks at evenly spaced vertices (a least-squares fit, no global search: fast and deterministic).
-    idx = np.linspace(0, len(points) - 1, n_seg + 1).round().astype(int)
-    breaks = np.unique(np.array([points[i][0] for i in idx]))
-    if len(breaks) < 2:
-        breaks = np.array([x.min(), x.max()])
-    model = pwlf.PiecewiseLinFit(x, y)
-    model.fit_with_breaks(breaks)
-    slopes = list(model.calc_slopes())
-    intercepts = list(model.intercepts)
-    xs = np.array([c[0] for c in corners])
-    ys = np.array([c[1] for c in corners])
-    h = np.max(np.outer(xs, slopes) + np.array(intercepts), axis=1)
-    lift = max(0.0, float(np.max(ys - h)))
-    return [float(s) for s in slopes], [float(b) + lift + 1e-12 for b in intercepts]
+    bends = []
+    for i in range(1, len(points) - 1):
+        (r0, q0), (r1, q1), (r2, q2) = points[i - 1], points[i], points[i + 1]
+        s_in = (q1 - q0) / (r1 - r0) if r1 > r0 else 0.0
+        s_out = (q2 - q1) / (r2 - r1) if r2 > r1 else 0.0
+        bends.append((s_out - s_in, -i, i))
+    bends.sort(reverse=True)
+    keep = sorted({0, len(points) - 1, *(b[2] for b in bends[: n_seg - 1])})
+    slopes: list[float] = []
+    intercepts: list[float] = []
+    for a, b in zip(keep, keep[1:]):
+        (ra, qa), (rb, qb) = points[a], points[b]
+        if rb - ra <= 1e-15:
+            continue
+        s = (qb - qa) / (rb - ra)
+        c = qa - s * ra
+        inside = [(cx, cy) for cx, cy in corners if ra <= cx < rb or (b == keep[-1] and cx == rb)]
+        lift = max((cy - (s * cx + c) for cx, cy in inside), default=0.0)
+        slopes.append(s)
+        intercepts.append(c + max(0.0, lift) + 1e-12)
+    if not slopes:
+        return [0.0], [points[-1][1]]
+    return slopes, intercepts

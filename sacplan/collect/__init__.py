@@ -86,7 +86,7 @@ def collect(
         batch, seq: example-input sizes for presets.
         runtime: ``"roofline"`` or ``"benchmark"`` (times ops on the CUDA device present).
         model_name: label for reports (defaults to the preset name or class name).
-        max_lines: cap on trade-off lines per module before the pwlf simplification.
+        max_lines: cap on trade-off lines per module before the curve is simplified (chords of its biggest bends).
         progress: called with short status strings (for CLIs on large models).
         world_size: ranks to plan for (simulated: no process group needed). Above 1 the returned stats are
             per rank, through :func:`sacplan.distributed.shard_stats`.
