@@ -498,12 +498,40 @@ class StepRecorder(TorchDispatchMode):
         ]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
+        self._install_resize_hook()
         return super().__enter__()
+
+    def _install_resize_hook(self) -> None:
+        """See ``UntypedStorage.resize_``: FSDP2 allocates and frees unsharded parameters and its all-gather
+        buffers by resizing storages, which no dispatch mode observes."""
+        orig = torch.UntypedStorage.resize_
+        rec = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            info = rec.storages.get(id(st))
+            if info is None:
+                if st.nbytes() > 0:
+                    rec._add_storage(st, OTHER)
+            else:
+                new = rec.spec.round_alloc(st.nbytes())
+                d = new - info[0]
+                info[0] = new
+                rec.live[info[1]] += d
+                rec.total += d
+                if rec.total > rec.seg_peak:
+                    rec.seg_peak = rec.total
+                    rec.seg_cats = tuple(rec.live)
+            return out
+
+        self._orig_resize = orig
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
             self._saved_hooks.__exit__(*exc)
             for h in self._handles:
                 h.remove()

@@ -11,14 +11,12 @@ root) or DDP, and runs training steps on its own batch. Checked:
   :class:`~sacplan.collect.tracker.StepRecorder` on the real tensors (as ``sacplan.validate._tracker_peak``)
   and cross-checked by the CPU allocator events of ``torch.profiler``, is within 5% of the prediction.
 
-The StepRecorder sees storages created by ops; FSDP2 allocates and frees unsharded parameters and its flat
-all-gather buffers by ``UntypedStorage.resize_``, which no dispatch mode sees, so the measurement harness
-below reports storage resizes to the recorder (the profiler needs no such help: it sees the allocator).
+FSDP2 allocates and frees unsharded parameters and its flat all-gather buffers by ``UntypedStorage.resize_``,
+which no dispatch mode sees; the StepRecorder hooks ``resize_`` while it records, so it measures them too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -35,37 +33,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _see_storage_resizes(rec):
-    """Report ``UntypedStorage.resize_`` (FSDP2's alloc/free of unsharded params) to a StepRecorder."""
-    from sacplan.collect.tracker import OTHER
-
-    orig = torch.UntypedStorage.resize_
-
-    def resize_(st, size):
-        out = orig(st, size)
-        info = rec.storages.get(id(st))
-        if info is None:
-            if st.nbytes() > 0:
-                rec._add_storage(st, OTHER)
-        else:
-            new = rec.spec.round_alloc(st.nbytes())
-            d = new - info[0]
-            info[0] = new
-            rec.live[info[1]] += d
-            rec.total += d
-            if rec.total > rec.seg_peak:
-                rec.seg_peak = rec.total
-                rec.seg_cats = tuple(rec.live)
-        return out
-
-    torch.UntypedStorage.resize_ = resize_
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = orig
 
 
 def _local(t):
@@ -147,7 +114,7 @@ def _worker(rank: int, ws: int, port: int, mode: str, plan_dict, q) -> None:
         state += [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         # step 3: the StepRecorder on the real tensors
         rec = StepRecorder(model, CPU, RuntimeModel(CPU))
-        with rec, _see_storage_resizes(rec):
+        with rec:
             rec.register([_local(p) for p in model.parameters()], PARAM)
             rec.register([_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)], OPT)
             rec.register((toks,), INPUT)
