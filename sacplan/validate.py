@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sacplan.apply import apply_plan, remove_plan
 from sacplan.collect import collect, default_loss, default_optimizer
 from sacplan.collect.runtime import flop_mapping
+from sacplan.collect.workspace import profiled_cpu_peak
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import ConfigError, ValidationError
 from sacplan.evaluate import Choice, predict
@@ -160,27 +161,8 @@ def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: tu
 
 
 def _cpu_profiled_peak(fn: Callable[[], None], live_at_start: int) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    all_events = list(prof.profiler.kineto_results.events())
-    # Only the step's own thread: collective back-ends (gloo) allocate scratch on their worker threads.
-    from collections import Counter
-
-    ops = Counter(e.start_thread_id() for e in all_events if e.name() != "[memory]")
-    main = ops.most_common(1)[0][0] if ops else None
-    events = [
-        e for e in all_events
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        and (main is None or e.start_thread_id() == main)
-    ]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return live_at_start + peak
+    """Peak bytes of ``fn()`` on CPU: bytes live at its start plus the allocator events' running peak."""
+    return live_at_start + profiled_cpu_peak(fn)
 
 
 def measure_step(

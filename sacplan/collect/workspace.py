@@ -42,9 +42,38 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
     return _CACHE[key]
 
 
+def profiled_cpu_peak(fn: Any) -> int:
+    """Peak of the CPU allocator's running total while ``fn()`` runs (``torch.profiler`` memory events).
+
+    Counts only the thread that ran the most ops (the caller's): collective back-ends such as gloo
+    allocate scratch on worker threads. The result is relative to the bytes live when ``fn`` starts.
+    """
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = list(prof.profiler.kineto_results.events())
+    threads = Counter(e.start_thread_id() for e in events if e.name() != "[memory]")
+    main = threads.most_common(1)[0][0] if threads else None
+    mem = sorted(
+        (
+            e for e in events
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+            and (main is None or e.start_thread_id() == main)
+        ),
+        key=lambda e: e.start_ns(),
+    )
+    cur = peak = 0
+    for e in mem:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
 def _measure_cpu(func: Any, flat: list, tspec: Any) -> int:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.profiler import ProfilerActivity, profile
 
     with unset_fake_temporarily(), torch.no_grad():
         real = [
@@ -54,18 +83,11 @@ def _measure_cpu(func: Any, flat: list, tspec: Any) -> int:
             for t in flat
         ]
         args, kwargs = tree_unflatten(real, tspec)
+        result: list[Any] = []
         try:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                out = func(*args, **kwargs)
+            peak = profiled_cpu_peak(lambda: result.append(func(*args, **kwargs)))
         except Exception:  # cannot run this signature here: no workspace modelled
             return 0
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
         out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
-        events = sorted(
-            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-        )
-        cur = peak = 0
-        for e in events:
-            cur += e.nbytes()
-            peak = max(peak, cur)
         return max(0, peak - out_bytes)
