@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from sacplan.errors import PlanMismatchError, UnsupportedModelError
 from sacplan.fingerprint import canonical_fqn, model_fingerprint
-from sacplan.opnames import family, is_inplace_op, is_random_op, resolve_op
+from sacplan.opnames import RANDOM, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
 
 __all__ = ["apply_plan", "remove_plan", "applied_plan", "make_policy"]
 
@@ -95,16 +95,8 @@ def _saves_inplace(entry: Any) -> bool:
 
 def _saved_keys(decision: Any) -> tuple[set[tuple[str, int]], bool]:
     """(family, occurrence) keys of the plan's saved ops, and whether random ops are saved."""
-    saved: set[tuple[str, int]] = set()
-    save_random = False
-    for entry in getattr(decision, "saved_ops", None) or ():
-        _index, name, occurrence = entry[0], entry[1], entry[2]
-        op = resolve_op(name)
-        if op is not None and is_random_op(op):
-            save_random = True
-            continue
-        saved.add((family(name), int(occurrence)))
-    return saved, save_random
+    keys = saved_op_keys(getattr(decision, "saved_ops", None))
+    return {k for k in keys if k[0] != RANDOM}, (RANDOM, 0) in keys
 
 
 def _modules_by_canonical_name(model: nn.Module) -> dict[str, nn.Module]:

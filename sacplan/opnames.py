@@ -71,3 +71,19 @@ def op_keys(ops: Any) -> list[tuple[str, int]]:
         seen[fam] = occ + 1
         keys.append((fam, occ))
     return keys
+
+
+def saved_op_keys(saved_ops: Any) -> frozenset[tuple[str, int]]:
+    """``(family, occurrence)`` keys of a plan decision's ``saved_ops`` entries ``(index, name, occurrence)``.
+
+    Random ops are decided together, so any saved random op becomes the single key ``(RANDOM, 0)``.
+    """
+    keys = set()
+    for entry in saved_ops or ():
+        name, occurrence = entry[1], entry[2]
+        op = resolve_op(name)
+        if op is not None and is_random_op(op):
+            keys.add((RANDOM, 0))
+        else:
+            keys.add((family(name), int(occurrence)))
+    return frozenset(keys)

@@ -119,21 +119,13 @@ class ValidationReport:
 
 def plan_choices(plan: Any) -> dict[str, Choice]:
     """The plan's decisions as :func:`sacplan.evaluate.predict` choices."""
-    from sacplan.opnames import family, is_random_op, resolve_op
+    from sacplan.opnames import saved_op_keys
 
     out: dict[str, Choice] = {}
     for d in plan.decisions:
         if not getattr(d, "checkpoint", True):
             continue
-        if d.saved_ops is None:
-            out[d.fqn] = None
-            continue
-        keys = set()
-        for _i, name, occ, *_ in d.saved_ops:
-            op = resolve_op(name)
-            rnd = op is not None and is_random_op(op)
-            keys.add((family(name, rnd), 0 if rnd else int(occ)))
-        out[d.fqn] = frozenset(keys)
+        out[d.fqn] = None if d.saved_ops is None else saved_op_keys(d.saved_ops)
     return out
 
 
