@@ -147,6 +147,23 @@ CPU = DeviceSpec(
 )
 
 
+def checkpoint_state_bytes(spec: DeviceSpec) -> int:
+    """Bytes of *target-device* memory each checkpointed call keeps from its forward to its backward besides
+    its saved tensors.
+
+    ``torch.utils.checkpoint`` (``preserve_rng_state=True``, the default) stashes the CPU generator's state,
+    ``torch.get_rng_state()`` (5,056 bytes for the Mersenne Twister), per checkpointed call; a CUDA
+    device's generator state is stashed in host memory too. So this is that size when the target is the host
+    CPU (spec name ``"CPU"``) and 0 for a GPU target. Measured: every checkpointed region of a CPU step
+    discarded exactly 5,056 bytes less than its saved tensors.
+    """
+    if spec.name != "CPU":
+        return 0
+    import torch
+
+    return int(torch.get_rng_state().numel() * torch.get_rng_state().element_size())
+
+
 # -- the device table ------------------------------------------------------------------------------
 #
 # Conventions

@@ -13,7 +13,9 @@ removed ``(1 - 1/world_size)`` when FSDP shards them), and per-call discards ``d
 * rc (backward start of call ``j``): the backward value plus ``extra_e`` if ``j`` is checkpointed
 * other:     ``peak_e - S_e``
 
-where ``F`` / ``B`` are running sums of ``d`` along ``fw_post_order`` / ``bw_pre_order`` and ``D`` their total.
+where each checkpointed call's discard is its saved-tensor bytes freed minus
+:func:`~sacplan.devices.checkpoint_state_bytes` (the RNG state checkpoint stashes; host-CPU targets only), and
+``F`` / ``B`` are running sums of ``d`` along ``fw_post_order`` / ``bw_pre_order`` and ``D`` their total.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from sacplan.devices import checkpoint_state_bytes
 from sacplan.opnames import op_keys
 from sacplan.stats import ModuleStats, OpStat
 from sacplan.tradeoff import greedy_vertices, op_groups
@@ -107,8 +110,13 @@ def _raw_kept(stats: ModuleStats) -> list[int]:
 def event_peaks(
     tree: ModuleTree, discards: Mapping[str, Sequence[int]], world_size: int | None = None
 ) -> list[int]:
-    """Predicted bytes at every event of ``tree.stats.events`` for per-call ``discards`` (fqn → bytes per call)."""
+    """Predicted bytes at every event of ``tree.stats.events`` for per-call ``discards`` (fqn → bytes per call).
+
+    Every module in ``discards`` is checkpointed: each of its calls also keeps
+    :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU).
+    """
     st = tree.stats
+    ck = checkpoint_state_bytes(st.device)  # kept per checkpointed call besides saved tensors (CPU target)
     ws = world_size or st.world_size
     shard = 1.0 - st.world_size / ws if ws > st.world_size else 0.0
 
@@ -119,7 +127,7 @@ def event_peaks(
             c = seen.get(fqn, 0)
             seen[fqn] = c + 1
             d = discards.get(fqn)
-            sums.append(sums[-1] + (d[c] if d is not None and c < len(d) else 0))
+            sums.append(sums[-1] + (d[c] - ck if d is not None and c < len(d) else 0))
         return sums
 
     F = running(st.fw_post_order)
@@ -135,7 +143,7 @@ def event_peaks(
         elif e.phase == "rc":
             m = base - (D - B[min(e.bw_started, len(B) - 1)])
             if e.module in discards:
-                m += e.extra_bytes
+                m += e.extra_bytes + ck  # its own overhead is held through its recompute
         else:
             m = base
         out.append(m)

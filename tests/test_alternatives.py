@@ -1,9 +1,10 @@
 """sacplan against the usual alternatives, measured on real CPU steps of a small Llama.
 
-At budgets set to the *measured* peaks of full AC per block, every-other-block AC and torchtitan's fixed
-op save list, sacplan's plan must measure a peak no higher (1 % tolerance for the profiler) and recompute
-no more FLOPs. Where the no-AC peak does not fit, sacplan's recompute at the full-AC peak must be at most a
-third of full AC's.
+At budgets set to the *measured* peaks of full AC per block, every-other-block AC, torchtitan's fixed
+op save list and the "save every matmul and attention output" list, sacplan's plan must measure a peak no
+higher (1 % tolerance for the profiler) and recompute no more FLOPs. Where the no-AC peak does not fit, sacplan's recompute at the full-AC peak must be at most a
+third of full AC's, unless the lower bound over every plan proves that out of reach (then sacplan must be within
+2% of that bound).
 
 sacplan minimises recompute *time* on the tree's device. On the CPU spec most of a block's time is memory-bound
 pointwise ops, so a time-optimal plan may recompute more FLOPs than torchtitan's save list (it recomputes a
@@ -25,7 +26,9 @@ from sacplan.collect import collect
 from sacplan.devices import CPU
 from sacplan.models import get_model
 from sacplan.models.llama import Llama
-from sacplan.solve import solve
+from sacplan.evaluate import predict
+from sacplan.solve import recompute_lower_bound, solve
+from sacplan.validate import plan_choices
 from sacplan.tree import ModuleTree
 
 _PRESET = get_model("llama-tiny")
@@ -51,7 +54,7 @@ def setup():
     ftree = ModuleTree(collect(_model, _inputs(), device=FLOP_SPEC, loss_fn=_PRESET.loss_fn, optimizer=False))
     no_ac = alt.measure(_model, _inputs, _PRESET.loss_fn, None)
     alts = {}
-    for make in (alt.full_ac_plan, alt.every_other_block_plan, alt.torchtitan_op_sac_plan):
+    for make in (alt.full_ac_plan, alt.every_other_block_plan, alt.torchtitan_op_sac_plan, alt.save_list_plan):
         plan = make(tree)
         alts[make.__name__] = (plan, _run(plan))
     return tree, ftree, no_ac, alts
@@ -74,7 +77,7 @@ def test_torchtitan_rule_saves_attention_and_odd_mms(setup):
     assert any(k[0] == "<attention>" for k in ch)
 
 
-_ALTS = ["full_ac_plan", "every_other_block_plan", "torchtitan_op_sac_plan"]
+_ALTS = ["full_ac_plan", "every_other_block_plan", "torchtitan_op_sac_plan", "save_list_plan"]
 
 
 @pytest.mark.parametrize("name", _ALTS)
@@ -101,23 +104,26 @@ def test_sacplan_time_no_worse_on_cpu_roofline(setup, name):
     assert _run(ours)["peak_bytes"] <= m_alt["peak_bytes"] * 1.01
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "does not hold on this small model: at full AC's peak sacplan recomputes 0.0524 of full AC's 0.1091 GFLOP "
-        "(48%, not <= 33%). Full AC's peak (3.543 MB predicted = the min feasible budget) sits in the backward of "
-        "layers.0 and no choice lowers it; the binding events are the recomputations of layers 3, 2, 1, which under "
-        "full AC climb 131.6 kB per block (one block's gradients) towards it, so whatever a lower block saves must "
-        "fit in 0.38-0.77 MB shared by the blocks below: about 250 kB of each block's 1.38 MB, while keeping a "
-        "block's matmul outputs needs about 655 kB. On llama-small x4 at seq 256 (benchmarks/plan_quality.py) the "
-        "ratio is 1.107/3.087 = 35.9%, also above a third."
-    ),
-)
-def test_recompute_at_full_ac_peak_is_a_third(setup):
+def test_recompute_at_full_ac_peak_is_a_third_or_provably_out_of_reach(setup):
+    """Where the no-AC peak does not fit: at full AC's peak, sacplan recomputes at most a third of full AC's
+    FLOPs, or no plan at all can (the lower bound over every plan says so) and sacplan is within 2% of it.
+
+    On this model the bound decides: 0.0498 of full AC's 0.1091 GFLOP (45.6%) is the least any plan
+    (any non-nested units, any op save lists) can recompute at that peak under the memory model, and sacplan
+    recomputes 0.0503 (46.2%). Full AC's peak (= the minimum feasible budget) sits in the backward of layers.0;
+    the binding events are the recomputations of the blocks above it, which leave each lower block about
+    250 kB of its 1.38 MB to keep.
+    """
     tree, ftree, no_ac, alts = setup
     full, m_full = alts["full_ac_plan"]
     assert no_ac["peak_bytes"] > m_full["peak_bytes"]  # the no-AC peak does not fit
     ours = solve(ftree, m_full["peak_bytes"])
     m_ours = _run(ours)
     assert m_ours["peak_bytes"] <= m_full["peak_bytes"] * 1.01
-    assert 3 * m_ours["recompute_flops"] <= m_full["recompute_flops"], (m_ours, m_full, ours.summary())
+    assert m_ours["recompute_flops"] == sum(d.recompute_flops for d in ours.decisions)
+    full_ms = predict(ftree, plan_choices(full)).recompute_ms  # FLOP_SPEC: ms proportional to FLOPs
+    bound = recompute_lower_bound(ftree, m_full["peak_bytes"])
+    assert bound <= ours.recompute_ms + 1e-12
+    if 3 * m_ours["recompute_flops"] > m_full["recompute_flops"]:
+        assert 3 * bound > full_ms, "a third of full AC looks reachable, yet sacplan did not reach it"
+        assert ours.recompute_ms <= 1.02 * bound, (ours.recompute_ms, bound)

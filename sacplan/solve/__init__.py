@@ -6,8 +6,15 @@ the formulation.
 
 from sacplan.solve.backends import SOLVERS, MilpModel, SolveResult, solve_model
 from sacplan.solve.compat import sac_milp
-from sacplan.solve.milp import SacProblem, TimeLimitWarning, baseline_peak, min_feasible_budget, solve
-from sacplan.solve.ops import OpSelection, select_ops
+from sacplan.solve.milp import (
+    SacProblem,
+    TimeLimitWarning,
+    baseline_peak,
+    min_feasible_budget,
+    recompute_lower_bound,
+    solve,
+)
+from sacplan.solve.ops import ModuleOptions, OpSelection, module_options, select_ops
 
 __all__ = [
     "solve",
@@ -15,6 +22,9 @@ __all__ = [
     "select_ops",
     "OpSelection",
     "min_feasible_budget",
+    "recompute_lower_bound",
+    "module_options",
+    "ModuleOptions",
     "baseline_peak",
     "SacProblem",
     "TimeLimitWarning",

@@ -15,6 +15,7 @@ See :func:`solve` for the memory model and the formulation. The pieces:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -24,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sacplan.devices import checkpoint_state_bytes
 from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import ModuleDecision, Plan
 from sacplan.solve.backends import (
@@ -35,7 +37,7 @@ from sacplan.solve.backends import (
     prove_by_lp_branching,
     solve_model,
 )
-from sacplan.solve.ops import max_saved_bytes_for, select_ops
+from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
 
@@ -79,7 +81,9 @@ class _Index:
 
     y: list[int] = field(default_factory=list)
     r: list[int] = field(default_factory=list)
-    q: list[int] = field(default_factory=list)
+    q: dict[int, int] = field(default_factory=dict)  # slot -> q column (trade-off-line candidates)
+    w: dict[int, list[int]] = field(default_factory=dict)  # slot -> option-level columns (exact candidates)
+    N: list[tuple[int, list[int], int]] = field(default_factory=list)  # (count column, class slots, level)
     u: dict[int, int] = field(default_factory=dict)
     K: list[int] = field(default_factory=list)
     F: list[tuple[int, int]] = field(default_factory=list)  # (kc, column), kc ascending
@@ -105,9 +109,18 @@ class SacProblem:
         world_size: int | None = None,
         ac_units: Sequence[str] | None = None,
         fsdp_units: Sequence[str] | None = None,
+        exact: bool = False,
+        max_options: int = 16,
+        solver: str = "cbc",
+        relax: bool = False,
     ) -> None:
         stats = tree.stats
         self.tree = tree
+        #: exact mode: candidates with ops choose among their op-level options (see :meth:`options`)
+        self.exact = bool(exact)
+        self.max_options = int(max_options)
+        self._solver = solver
+        self._options: dict[int, ModuleOptions | None] = {}
         base_ws = max(1, int(stats.world_size))
         if world_size is None:
             world_size = base_ws
@@ -117,7 +130,12 @@ class SacProblem:
         #: state bytes kept per rank, relative to the collected ones
         self.state_keep = base_ws / self.world_size
         self.notes: list[str] = []
+        #: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a CPU target)
+        self.ck_overhead = float(checkpoint_state_bytes(stats.device))
         self.candidates = self._candidates(tree, ac_units, fsdp_units)
+        if relax:  # lower-bound mode: each module's cost is the LP relaxation of its op-level knapsack
+            self.exact = False
+            self.candidates = [self._relaxed_candidate(c) for c in self.candidates]
         self._orders(tree)
         self._events(tree)
 
@@ -197,6 +215,14 @@ class SacProblem:
             )
         return out
 
+    def _relaxed_candidate(self, c: Candidate) -> Candidate:
+        st = self.tree.nodes[c.node].stats
+        if not st.ops or c.recompute_ms <= 0:
+            return c
+        sl, ic = fractional_lines(st.ops, c.max_discard_bytes, c.recompute_ms, recompute_stop=st.recompute_stop or None)
+        env = envelope(sl, ic)
+        return dataclasses.replace(c, slopes=env[0], intercepts=env[1])
+
     def _orders(self, tree: ModuleTree) -> None:
         slot_by_fqn = {c.fqn: c for c in self.candidates}
 
@@ -250,9 +276,11 @@ class SacProblem:
                 self.ev_k[i] = min(max(int(e.bw_started), 0), nb)
                 if ph == RC:
                     s = slot_by_fqn.get(e.module, -1)
-                    if s >= 0 and e.extra_bytes > 0:
+                    # a checkpointed call keeps its overhead (stashed RNG state) through its own recompute
+                    extra = float(e.extra_bytes) + self.ck_overhead
+                    if s >= 0 and extra > 0:
                         self.ev_slot[i] = s
-                        self.ev_extra[i] = float(e.extra_bytes)
+                        self.ev_extra[i] = extra
                     else:
                         ph = BW
             self.ev_phase[i] = ph
@@ -262,15 +290,61 @@ class SacProblem:
     def num_candidates(self) -> int:
         return len(self.candidates)
 
+    def options(self, slot: int) -> ModuleOptions | None:
+        """Exact op-level options of candidate ``slot`` (None when not in exact mode or it has no ops).
+
+        Computed from :func:`~sacplan.solve.ops.module_options` at the ratios of the trade-off's greedy
+        vertices and memoised per class of identical candidates.
+        """
+        if not self.exact:
+            return None
+        if slot in self._options:
+            return self._options[slot]
+        c = self.candidates[slot]
+        st = self.tree.nodes[c.node].stats
+        t = st.tradeoff
+        out: ModuleOptions | None = None
+        if st.ops and t is not None and t.full_recompute_ms > 0:
+            key = ("opts", c.max_discard_bytes, c.recompute_ms, st.ops, st.recompute_stop)
+            out = self._options.get(key)  # type: ignore[call-overload]
+            if out is None:
+                out = module_options(
+                    st.ops,
+                    c.max_discard_bytes,
+                    c.recompute_ms,
+                    [p[0] for p in t.points],
+                    recompute_stop=st.recompute_stop or None,
+                    max_options=self.max_options,
+                    solver=_lp_solver(self._solver),
+                )
+                self._options[key] = out  # type: ignore[index]
+        self._options[slot] = out
+        return out
+
+    def snap(self, y: Sequence[float], r: Sequence[float]) -> np.ndarray:
+        """Ratios raised to the cheapest option discarding at least as much (exact candidates only)."""
+        r = np.asarray(r, dtype=float).copy()
+        for c in self.candidates:
+            o = self.options(c.slot)
+            if o is None:
+                continue
+            r[c.slot] = o.ratio[o.level_for(float(r[c.slot]))] if y[c.slot] > 0.5 else 0.0
+        return r
+
     def peaks(self, y: Sequence[float], r: Sequence[float], with_extra: bool = True) -> np.ndarray:
-        """Predicted bytes ``m_e`` at every event for checkpoint flags ``y`` and discard ratios ``r`` (per slot)."""
+        """Predicted bytes ``m_e`` at every event for checkpoint flags ``y`` and discard ratios ``r`` (per slot).
+
+        ``with_extra=False`` leaves out what checkpointing adds (recompute transients, per-call overhead):
+        a lower bound for screening."""
         y = np.asarray(y, dtype=float).reshape(-1)
-        r = np.asarray(r, dtype=float).reshape(-1) * (y > 0.5)
+        yb = (y > 0.5).astype(float)
+        r = np.asarray(r, dtype=float).reshape(-1) * yb
         m = self.ev_base.copy()
         if self.num_candidates == 0:
             return m
-        F = np.concatenate([[0.0], np.cumsum(self.fw_amt * r[self.fw_slot])])
-        B = np.concatenate([[0.0], np.cumsum(self.bw_amt * r[self.bw_slot])])
+        o = self.ck_overhead if with_extra else 0.0
+        F = np.concatenate([[0.0], np.cumsum(self.fw_amt * r[self.fw_slot] - o * yb[self.fw_slot])])
+        B = np.concatenate([[0.0], np.cumsum(self.bw_amt * r[self.bw_slot] - o * yb[self.bw_slot])])
         D = B[-1]
         ph = self.ev_phase
         fw = ph == FW
@@ -290,8 +364,18 @@ class SacProblem:
         return float(np.max(self.ev_base))
 
     def cost(self, y: Sequence[float], r: Sequence[float]) -> float:
-        """Trade-off (MILP) recompute ms of a decision."""
-        return float(sum(c.cost(float(r[c.slot]), float(y[c.slot] > 0.5)) for c in self.candidates))
+        """Model recompute ms of a decision: the trade-off lines, or (exact mode) the cheapest option
+        discarding at least ``r``."""
+        total = 0.0
+        for c in self.candidates:
+            if y[c.slot] <= 0.5:
+                continue
+            o = self.options(c.slot)
+            if o is None:
+                total += c.cost(float(r[c.slot]))
+            else:
+                total += c.calls * c.recompute_ms * o.frac[o.level_for(float(r[c.slot]))]
+        return float(total)
 
     def classes(self) -> list[tuple[tuple, list[int]]]:
         """Candidates with identical numbers (calls, bytes per call, recompute ms, trade-off lines), by slot."""
@@ -333,31 +417,35 @@ class SacProblem:
         prune = budget is not None
         # forward: F non-decreasing in kc -> keep strictly increasing needs along kc
         fw_best: dict[int, float] = {}
-        sel = np.nonzero((ph == FW) & ((need > 0) if prune else True))[0]
+        # checkpointing can also *add* bytes (the per-call overhead): keep events that overhead could push over
+        slack = self.ck_overhead * max(len(self.fw_slot), len(self.bw_slot))
+        sel = np.nonzero((ph == FW) & ((need + slack > 0) if prune else True))[0]
         for i in sel:
             kc = int(self.kc_fw[self.ev_k[i]])
             if need[i] > fw_best.get(kc, -math.inf):
                 fw_best[kc] = float(need[i])
+        # dominance needs monotone running sums; a per-call overhead (d = A·r - o·y can be < 0) breaks that
+        dominate = self.ck_overhead <= 0
         fw, run = [], -math.inf
         for kc in sorted(fw_best):
-            if fw_best[kc] > run:
+            if fw_best[kc] > run or not dominate:
                 fw.append((kc, fw_best[kc]))
                 run = fw_best[kc]
         # backward: G (discards not yet re-materialised) non-increasing in kc
         bw_best: dict[int, float] = {}
-        sel = np.nonzero((ph == BW) & ((need > 0) if prune else True))[0]
+        sel = np.nonzero((ph == BW) & ((need + slack > 0) if prune else True))[0]
         for i in sel:
             kc = int(self.kc_bw[self.ev_k[i]])
             if need[i] > bw_best.get(kc, -math.inf):
                 bw_best[kc] = float(need[i])
         bw, run = [], -math.inf
         for kc in sorted(bw_best, reverse=True):
-            if bw_best[kc] > run:
+            if bw_best[kc] > run or not dominate:
                 bw.append((kc, bw_best[kc]))
                 run = bw_best[kc]
         # recompute events: Pareto-maximal (need, extra) per (kc, slot)
         groups: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        sel = np.nonzero((ph == RC) & (((need + self.ev_extra) > 0) if prune else True))[0]
+        sel = np.nonzero((ph == RC) & (((need + self.ev_extra + slack) > 0) if prune else True))[0]
         for i in sel:
             key = (int(self.kc_bw[self.ev_k[i]]), int(self.ev_slot[i]))
             groups.setdefault(key, []).append((float(need[i]), float(self.ev_extra[i])))
@@ -404,11 +492,44 @@ class SacProblem:
             for c in self.candidates:
                 s = c.slot
                 w = c.calls * c.recompute_ms
-                idx.q.append(model.add_col(f"q{s}", 0.0, math.inf, False, w))
+                o = self.options(s)
+                if o is not None:
+                    # exact: y picks option 0, level columns w_k (ordered) step up to option k:
+                    # r = r_0·y + Σ (r_k - r_{k-1})·w_k, cost = R·(q_0·y + Σ (q_k - q_{k-1})·w_k)
+                    model.col_cost[idx.y[s]] = w * o.frac[0]
+                    cols = []
+                    for k in range(1, len(o.ratio)):
+                        cols.append(model.add_col(f"w{s}_{k}", 0.0, 1.0, True, w * (o.frac[k] - o.frac[k - 1])))
+                        prev = idx.y[s] if k == 1 else cols[-2]
+                        model.add_row(f"wo{s}_{k}", [cols[-1], prev], [1.0, -1.0], ub=0.0)
+                    idx.w[s] = cols
+                    model.add_row(
+                        f"rdef{s}",
+                        [idx.r[s], idx.y[s]] + cols,
+                        [1.0, -o.ratio[0]] + [-(o.ratio[k] - o.ratio[k - 1]) for k in range(1, len(o.ratio))],
+                        lb=0.0,
+                        ub=0.0,
+                    )
+                    continue
+                idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
                 for li, (sl, ic) in enumerate(zip(c.slopes, c.intercepts)):
                     if sl <= 0 and ic <= 0:
                         continue  # implied by q >= 0
                     model.add_row(f"line{s}_{li}", [idx.q[s], idx.r[s], idx.y[s]], [1.0, -sl, -ic], lb=0.0)
+            # exact classes: how many members reach each option level (integer, branched on with K)
+            for key, members in self.classes():
+                if len(members) < 2 or members[0] not in idx.w:
+                    continue
+                for k in range(len(idx.w[members[0]])):
+                    n = model.add_col(f"N{members[0]}_{k + 1}", 0.0, float(len(members)), True)
+                    idx.N.append((n, members, k))
+                    model.add_row(
+                        f"Ndef{members[0]}_{k + 1}",
+                        [n] + [idx.w[s][k] for s in members],
+                        [1.0] + [-1.0] * len(members),
+                        lb=0.0,
+                        ub=0.0,
+                    )
 
     def _sums(
         self,
@@ -423,7 +544,7 @@ class SacProblem:
         Fcol: dict[int, int] = {}
         prev_col, prev_kc = -1, 0
         for kc in sorted(set(fw_kcs)):
-            col = model.add_col(f"F{kc}", max(0.0, fw_lb.get(kc, 0.0)), math.inf)
+            col = model.add_col(f"F{kc}", fw_lb.get(kc, -math.inf), math.inf)
             ind, val = [col], [1.0]
             if prev_col >= 0:
                 ind.append(prev_col)
@@ -431,6 +552,9 @@ class SacProblem:
             for p in range(prev_kc, kc):
                 ind.append(idx.r[int(self.fw_slot[p])])
                 val.append(-self.fw_amt[p] / GiB)
+                if self.ck_overhead:
+                    ind.append(idx.y[int(self.fw_slot[p])])
+                    val.append(self.ck_overhead / GiB)
             model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
             Fcol[kc] = col
             idx.F.append((kc, col))
@@ -439,7 +563,7 @@ class SacProblem:
         total = len(self.bw_slot)
         prev_col, prev_kc = -1, total
         for kc in sorted(set(bw_kcs), reverse=True):
-            col = model.add_col(f"G{kc}", max(0.0, bw_lb.get(kc, 0.0)), math.inf)
+            col = model.add_col(f"G{kc}", bw_lb.get(kc, -math.inf), math.inf)
             ind, val = [col], [1.0]
             if prev_col >= 0:
                 ind.append(prev_col)
@@ -447,6 +571,9 @@ class SacProblem:
             for p in range(kc, prev_kc):
                 ind.append(idx.r[int(self.bw_slot[p])])
                 val.append(-self.bw_amt[p] / GiB)
+                if self.ck_overhead:
+                    ind.append(idx.y[int(self.bw_slot[p])])
+                    val.append(self.ck_overhead / GiB)
             model.add_row(f"Gdef{kc}", ind, val, lb=0.0, ub=0.0)
             Gcol[kc] = col
             idx.G.append((kc, col))
@@ -459,7 +586,7 @@ class SacProblem:
         model = MilpModel(name="sacplan_sac")
         idx = _Index(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
         self._base_columns(model, idx, with_cost=True)
-        infeasible = other > 0 or any(kc == 0 for kc, _ in fw) or any(
+        infeasible = other > 0 or any(kc == 0 and nd > 0 for kc, nd in fw) or any(
             kc == len(self.bw_slot) and nd > 0 for kc, nd in bw
         )
         Fcol, Gcol = self._sums(
@@ -499,12 +626,21 @@ class SacProblem:
         x = [0.0] * model.num_cols
         y = [1.0 if v > 0.5 else 0.0 for v in y]
         r = [float(min(1.0, max(0.0, rv))) * yv for rv, yv in zip(r, y)]
+        if idx.w:
+            r = [float(v) for v in self.snap(y, r)]
         for c in self.candidates:
             s = c.slot
             x[idx.y[s]] = y[s]
             x[idx.r[s]] = r[s]
-            if idx.q:
+            if s in idx.q:
                 x[idx.q[s]] = max([0.0] + [sl * r[s] + ic * y[s] for sl, ic in zip(c.slopes, c.intercepts)])
+            if s in idx.w and y[s] > 0.5:
+                o = self.options(s)
+                assert o is not None
+                for k in range(o.level_for(r[s])):
+                    x[idx.w[s][k]] = 1.0
+        for col, members, k in idx.N:
+            x[col] = float(sum(x[idx.w[s][k]] for s in members))
         if idx.K:
             ks = [members for _, members in self.classes() if len(members) >= 2]
             for col, members in zip(idx.K, ks):
@@ -515,12 +651,14 @@ class SacProblem:
                 up = x[idx.u[p]] if p in idx.u else y[p]
                 x[idx.u[c.slot]] = up + y[c.slot]
         ra = np.asarray(r)
+        ya = np.asarray(y)
+        o = self.ck_overhead
         if len(self.fw_slot):
-            F = np.concatenate([[0.0], np.cumsum(self.fw_amt * ra[self.fw_slot] / GiB)])
+            F = np.concatenate([[0.0], np.cumsum((self.fw_amt * ra[self.fw_slot] - o * ya[self.fw_slot]) / GiB)])
             for kc, col in idx.F:
                 x[col] = float(F[kc])
         if len(self.bw_slot):
-            B = np.concatenate([[0.0], np.cumsum(self.bw_amt * ra[self.bw_slot] / GiB)])
+            B = np.concatenate([[0.0], np.cumsum((self.bw_amt * ra[self.bw_slot] - o * ya[self.bw_slot]) / GiB)])
             for kc, col in idx.G:
                 x[col] = float(B[-1] - B[kc])
         if idx.P >= 0:
@@ -530,6 +668,10 @@ class SacProblem:
     def decision_from(self, idx: _Index, x: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
         y = np.array([1.0 if x[j] > 0.5 else 0.0 for j in idx.y])
         r = np.array([min(1.0, max(0.0, x[j])) for j in idx.r]) * y
+        for s, cols in idx.w.items():  # exact candidates: the option level from the level columns
+            o = self.options(s)
+            if o is not None and y[s] > 0.5:
+                r[s] = o.ratio[int(sum(1 for j in cols if x[j] > 0.5))]
         return y, r
 
     def repair(self, y: np.ndarray, r: np.ndarray, budget: float, max_iter: int | None = None) -> np.ndarray | None:
@@ -742,6 +884,52 @@ def min_feasible_budget(
     return _min_peak(problem, solver, threads)[0]
 
 
+def recompute_lower_bound(
+    tree: ModuleTree,
+    budget: int | float | str,
+    *,
+    world_size: int | None = None,
+    ac_units: Sequence[str] | None = None,
+    fsdp_units: Sequence[str] | None = None,
+    solver: str = "cbc",
+    threads: int | None = None,
+    time_limit_s: float | None = 60.0,
+) -> float:
+    """A recompute time (ms) that *no* plan fitting ``budget`` can beat, under sacplan's memory model.
+
+    "Any plan" means any set of non-nested checkpoint units among the candidates, each with any op save
+    list. Each module's cost is replaced by the LP relaxation of its op-level knapsack (see
+    :func:`~sacplan.solve.ops.fractional_lines`: below every achievable option), and the resulting convex
+    MILP is solved; its proven lower bound is returned. Comparing a plan's ``recompute_ms`` with this tells
+    how far from the best possible plan it can at most be, e.g. whether a target ("a third of full
+    checkpointing") is reachable at all. 0.0 when no checkpointing is needed.
+
+    Raises:
+        InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
+    """
+    solver = check_solver(solver)
+    problem = SacProblem(tree, world_size, ac_units, fsdp_units, relax=True)
+    budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
+    if problem.baseline_peak() <= budget_bytes:
+        return 0.0
+
+    def infeasible() -> InfeasibleBudgetError:
+        return InfeasibleBudgetError(budget_bytes, _min_peak(SacProblem(tree, world_size, ac_units, fsdp_units), solver, threads)[0])
+
+    if problem.num_candidates == 0 or problem.lower_bound_peak() > budget_bytes:
+        raise infeasible()
+    model, idx, trivially_infeasible = problem.build(float(budget_bytes))
+    if trivially_infeasible:
+        raise infeasible()
+    res = solve_model(model, solver, time_limit_s=time_limit_s, gap_rel=1e-6, gap_abs=1e-9, threads=threads,
+                      priorities={k: 1 for k in idx.K} or None, options=["preprocess off"] if idx.K else ())
+    if res.status == INFEASIBLE:
+        raise infeasible()
+    if not math.isfinite(res.bound):
+        raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
+    return max(0.0, float(res.bound))
+
+
 def solve(
     tree: ModuleTree,
     budget: int | float | str,
@@ -754,6 +942,8 @@ def solve(
     gap_rel: float = 1e-4,
     op_level: bool = True,
     threads: int | None = None,
+    exact: bool | None = None,
+    max_options: int = 16,
 ) -> Plan:
     r"""Cheapest selective activation checkpointing plan whose predicted per-rank peak fits ``budget``.
 
@@ -834,7 +1024,9 @@ def solve(
     """
     solver = check_solver(solver)
     t_start = time.perf_counter()
-    problem = SacProblem(tree, world_size, ac_units, fsdp_units)
+    if exact is None:
+        exact = op_level
+    problem = SacProblem(tree, world_size, ac_units, fsdp_units, exact=exact and op_level, max_options=max_options, solver=solver)
     for note in problem.notes:
         warnings.warn(note, stacklevel=2)
     stats = tree.stats
@@ -886,8 +1078,9 @@ def solve(
     build_s = time.perf_counter() - t_start
     t_solve = time.perf_counter()
     remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
+    counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
     proven = prove_by_lp_branching(
-        model, warm, idx.K, gap_rel=gap_rel, lp_solver=_lp_solver(solver), root_bound=lp_bound, solver_name=solver
+        model, warm, counts, gap_rel=gap_rel, lp_solver=_lp_solver(solver), root_bound=lp_bound, solver_name=solver
     )
     res = proven or solve_model(
         model,
@@ -898,8 +1091,8 @@ def solve(
         threads=threads,
         warm_start=warm,
         # branch on class counts first (CBC's preprocessing would substitute the count columns away)
-        priorities={k: 1 for k in idx.K} or None,
-        options=["preprocess off"] if idx.K else (),
+        priorities={k: 1 for k in counts} or None,
+        options=["preprocess off"] if counts else (),
     )
     solve_s = time.perf_counter() - t_solve
     meta: dict[str, Any] = {
@@ -914,6 +1107,7 @@ def solve(
         # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
         "proved_by": "lp" if proven is not None else solver,
         "op_level": op_level,
+        "exact": problem.exact,
     }
     min_feasible: int | None = None
     if res.x is None:
@@ -945,6 +1139,10 @@ def solve(
         min_feasible = mf
     else:
         r = r_fixed
+    r = problem.snap(y, r)  # exact mode: repaired ratios up to the next option (discards only grow)
+    # a checkpoint that discards nothing only adds its recompute transient: drop it (every event falls or stays)
+    y = np.where(r <= 1e-12, 0.0, y)
+    r = r * y
     if not problem.nesting_ok(y):  # pragma: no cover - guaranteed by the constraints
         raise SolverError("internal error: the solver returned nested checkpoint units")
     meta["model_recompute_ms"] = problem.cost(y, r)
@@ -1009,7 +1207,14 @@ def _realise(
         A = c.max_discard_bytes
         ratio = float(min(1.0, max(0.0, r[s])))
         sel = None
-        if ratio < 1.0 - 1e-12 and op_level and st.ops:
+        opts = problem.options(s)
+        if opts is not None and op_level:
+            cap = opts.capacity[opts.level_for(ratio)]
+            if cap is None:
+                ratio = 1.0
+            else:
+                sel = select_ops(st.ops, cap, solver=_lp_solver(solver), recompute_stop=st.recompute_stop or None)
+        elif ratio < 1.0 - 1e-12 and op_level and st.ops:
             try:
                 sel = select_ops(
                     st.ops,
@@ -1019,7 +1224,7 @@ def _realise(
                 )
             except InfeasibleBudgetError:
                 ratio = 1.0
-        if ratio >= 1.0 - 1e-12:
+        if sel is None and ratio >= 1.0 - 1e-12:
             r_real[s] = 1.0
             decisions.append(
                 ModuleDecision(

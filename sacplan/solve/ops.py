@@ -247,3 +247,137 @@ def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
     """``floor(A · (1 - r))`` with the ratio clipped to [0, 1]."""
     r = min(1.0, max(0.0, float(discard_ratio)))
     return int(math.floor(max_discard_bytes * (1.0 - r)))
+
+
+@dataclass(frozen=True)
+class ModuleOptions:
+    """The exact recompute-vs-memory options of one checkpointed module (per call), for the exact MILP.
+
+    Option ``k`` discards ``ratio[k] · A`` bytes (``A`` = the trade-off's ``max_discard_bytes``) and
+    recomputes ``frac[k] · R`` ms (``R`` = its ``full_recompute_ms``); both strictly increase with ``k``
+    (dominated options are dropped). ``capacity[k]`` is the ``max_saved_bytes`` whose :func:`select_ops`
+    realises it exactly (``None``: full checkpoint, nothing saved but what must be).
+    """
+
+    ratio: tuple[float, ...]
+    frac: tuple[float, ...]
+    capacity: tuple[int | None, ...]
+
+    def level_for(self, r: float) -> int:
+        """The cheapest option discarding at least ratio ``r`` (the last one if none does)."""
+        for k, rk in enumerate(self.ratio):
+            if rk >= r - 1e-12:
+                return k
+        return len(self.ratio) - 1
+
+
+def module_options(
+    ops: Sequence[OpStat],
+    max_discard_bytes: int,
+    full_recompute_ms: float,
+    ratios: Sequence[float],
+    *,
+    recompute_stop: int | None = None,
+    max_options: int = 16,
+    solver: str = "cbc",
+) -> ModuleOptions:
+    """Options of one module from exact op-level selections at the discard ratios ``ratios``.
+
+    For each ratio the knapsack :func:`select_ops` is solved at ``max_saved_bytes ≈ A·(1 - r)``; its
+    *realised* discard and recompute form one option (at least as good as the greedy vertex the ratio came
+    from: the knapsack is exact). The full checkpoint ``(1, 1)`` is always an option. Dominated options
+    (no larger discard for no smaller cost) are dropped; above ``max_options`` the ones whose removal
+    costs least (the next kept option's extra cost times the discard span it covers) are dropped, keeping
+    the first and the last.
+    """
+    A = int(max_discard_bytes)
+    R = float(full_recompute_ms)
+    pts: list[tuple[float, float, int | None]] = [(1.0, 1.0, None)]
+    if A > 0 and R > 0:
+        for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
+            # nearest byte: the option records what the selection realises, so no floor is needed (a floor
+            # of 0.2·A computed in floats can land one byte short of a whole op and lose that option)
+            cap = max(0, min(A, int(round(A * (1.0 - r)))))
+            try:
+                sel = select_ops(ops, cap, solver=solver, recompute_stop=recompute_stop)
+            except InfeasibleBudgetError:
+                continue
+            d = A - sel.saved_bytes
+            if d < 0:
+                continue
+            pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), cap))
+    # Pareto front: by ratio descending, keep strictly cheaper options
+    pts.sort(key=lambda p: (-p[0], p[1], p[2] is not None))
+    front: list[tuple[float, float, int | None]] = []
+    for p in pts:
+        if not front or p[1] < front[-1][1] - 1e-12:
+            if front and abs(p[0] - front[-1][0]) <= 1e-15:
+                continue
+            front.append(p)
+    front.reverse()
+    while len(front) > max(2, max_options):
+        # drop the interior option whose loss is smallest: (q_next - q_k) · (r_k - r_prev)
+        loss = [
+            ((front[k + 1][1] - front[k][1]) * (front[k][0] - front[k - 1][0]), k) for k in range(1, len(front) - 1)
+        ]
+        front.pop(min(loss)[1])
+    return ModuleOptions(
+        ratio=tuple(p[0] for p in front), frac=tuple(p[1] for p in front), capacity=tuple(p[2] for p in front)
+    )
+
+
+def fractional_lines(
+    ops: Sequence[OpStat], max_discard_bytes: int, full_recompute_ms: float, *, recompute_stop: int | None = None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Lines ``q ≥ slope·r + intercept`` whose max lies below *every* achievable option of one module.
+
+    The LP relaxation of :func:`select_ops`'s knapsack (save groups fractionally, most ms per byte first) gives,
+    for each discard, a recompute time no integer selection beats; its vertices (plus the full checkpoint
+    ``(1, 1)``) are convexified into their lower hull. Units as :class:`ModuleOptions` (``r = d/A``,
+    ``q = ms/R``). Used by :func:`sacplan.solve.recompute_lower_bound`.
+    """
+    A = float(max_discard_bytes)
+    R = float(full_recompute_ms)
+    ops = tuple(ops)
+    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    forced = 0
+    base_ms = 0.0
+    free: list[_Group] = []
+    for g in _groups(ops, False, stop):
+        if g.fixed == 1:
+            forced += g.bytes
+        elif g.fixed == 0 or g.ms <= 0.0:
+            base_ms += g.ms  # always recomputed (views, or nothing to gain by saving)
+        elif g.bytes > 0:
+            free.append(g)
+    # start: every free group saved; then give them up least valuable (ms per byte) first
+    free.sort(key=lambda g: (g.ms / g.bytes, g.bytes))
+    saved = forced + sum(g.bytes for g in free)
+    ms = base_ms
+    pts = [((A - saved) / A, ms / R)]
+    for g in free:
+        saved -= g.bytes
+        ms += g.ms
+        pts.append(((A - saved) / A, ms / R))
+    pts.append((1.0, 1.0))
+    # lower convex hull (Andrew's monotone chain, lower part)
+    pts = sorted(set(pts))
+    hull: list[tuple[float, float]] = []
+    for p in pts:
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    slopes, intercepts = [], []
+    for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
+        if x2 - x1 <= 1e-15:
+            continue
+        s = (y2 - y1) / (x2 - x1)
+        slopes.append(s)
+        intercepts.append(y1 - s * x1)
+    if not slopes:
+        slopes, intercepts = [0.0], [min(1.0, hull[0][1]) if hull else 0.0]
+    return tuple(slopes), tuple(intercepts)
