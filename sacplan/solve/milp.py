@@ -530,6 +530,34 @@ class SacProblem:
                         lb=0.0,
                         ub=0.0,
                     )
+                # Symmetry breaking (valid, see :meth:`_sequential`): of two checkpointed members, the earlier one
+                # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
+                seq = self._sequential(members)
+                if seq is not None:
+                    for i, j in zip(seq, seq[1:]):
+                        for k in range(len(idx.w[i])):
+                            model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
+
+    def _sequential(self, members: Sequence[int]) -> list[int] | None:
+        """Identical candidates in forward order when each runs once and their backwards run in reverse
+        order (sequential blocks); else None.
+
+        For such a class, giving the earlier of two *checkpointed* members the larger discard never raises
+        any event: every running sum ``F`` (forwards finished) and ``D - B`` (backwards not yet started)
+        covers a prefix of the forward order, so swapping two members' discards into decreasing order only
+        raises the sums between them, and the recompute extras stay (both remain checkpointed). So the
+        ordering rows cut off no optimum, only symmetric copies of it.
+        """
+        if any(self.candidates[s].calls != 1 for s in members):
+            return None
+        fw_pos = {int(sl): p for p, sl in enumerate(self.fw_slot)}
+        bw_pos = {int(sl): p for p, sl in enumerate(self.bw_slot)}
+        if any(s not in fw_pos or s not in bw_pos for s in members):
+            return None
+        seq = sorted(members, key=lambda s: fw_pos[s])
+        if any(bw_pos[a] <= bw_pos[b] for a, b in zip(seq, seq[1:])):
+            return None
+        return seq
 
     def _sums(
         self,
@@ -1091,7 +1119,7 @@ def solve(
         threads=threads,
         warm_start=warm,
         # branch on class counts first (CBC's preprocessing would substitute the count columns away)
-        priorities={k: 1 for k in counts} or None,
+        priorities={k: 1 for k in idx.K} or None,
         options=["preprocess off"] if counts else (),
     )
     solve_s = time.perf_counter() - t_solve
