@@ -1015,6 +1015,19 @@ def solve(
     * ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
       branching; see below).
 
+    Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
+    lines. Its options come from :func:`~sacplan.solve.ops.module_options` — the exact op-level knapsack solved
+    at the ratios of its greedy vertices, Pareto-pruned, at most ``max_options`` — and it picks one of them:
+    ``y_i`` selects option 0, ordered binaries ``w_{i,1} ≥ w_{i,2} ≥ …`` (``w_{i,1} ≤ y_i``) step up,
+    ``r_i = r_0·y_i + Σ_k (r_k - r_{k-1})·w_{i,k}`` and the cost is ``R_i·(q_0·y_i + Σ_k (q_k - q_{k-1})·w_{i,k})``.
+    The objective is then what the plan realises (the lines, an upper bound of the achievable staircase,
+    were ~16% loose on a Llama block). For a class of identical sequential blocks, ``w_{j,k} ≤ w_{i,k} + 1 - y_i``
+    for consecutive members ``i`` before ``j`` (see :meth:`SacProblem._sequential`: valid, it only removes
+    symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
+    Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
+    checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
+    :func:`recompute_lower_bound` bounds every plan from below (fractional knapsack per module).
+
     Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
     (same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
     [0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
@@ -1044,6 +1057,9 @@ def solve(
         gap_rel: relative optimality gap to prove.
         op_level: realise ratios with op-level selection (else ratio-only decisions).
         threads: solver threads (default 1: deterministic).
+        exact: choose among exact op-level options (default: ``op_level``); False uses the trade-off lines
+            and realises their ratios by op selection.
+        max_options: options per module in exact mode (more: finer choice, larger MILP).
 
     Raises:
         InfeasibleBudgetError: no plan fits; carries the computed smallest feasible budget.
