@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from sacplan.errors import ConfigError
+from sacplan.fingerprint import canonical_fqn
 from sacplan.stats import MemoryEvent, ModelStats, ModuleStats
 
 __all__ = ["shard_stats", "check_units", "each_block_units", "UnitShard"]
@@ -131,7 +132,14 @@ def _resolve_units(stats: ModelStats, fsdp_units: UnitSpec) -> list[str]:
     elif callable(fsdp_units):
         units = [m.fqn for m in stats.modules if fsdp_units(m.fqn, m)]
     else:
-        units = list(fsdp_units)
+        try:
+            units = list(fsdp_units)
+        except TypeError:
+            units = None
+        if units is None or any(not isinstance(u, str) for u in units):
+            raise ConfigError(
+                f"fsdp_units must be 'each block', a list of module names (str) or a predicate, not {fsdp_units!r}"
+            )
         known = set(names)
         for u in units:
             if u not in known:
@@ -162,6 +170,22 @@ def check_units(tree: Any, ac_units: Iterable[str] | None, fsdp_units: Iterable[
                     f"FSDP unit {f or '<root>'!r} is nested inside checkpoint unit {a or '<root>'!r}: checkpoint "
                     f"{f or '<root>'!r} itself or modules inside it, or drop {a or '<root>'!r} from the checkpoint units"
                 )
+
+
+def _check_model(stats: ModelStats, model: nn.Module) -> None:
+    """Raise :class:`ConfigError` unless ``model`` is the model ``stats`` were collected from (fingerprint)."""
+    from sacplan.apply import _fingerprint  # looks through FSDP2 / DDP / compile wrappers
+
+    if stats.fingerprint and _fingerprint(model) != stats.fingerprint:
+        theirs = {canonical_fqn(n) for n, _ in model.named_modules()}
+        ours = {m.fqn for m in stats.modules}
+        containers = {n for n in theirs if any(o.startswith(n + ".") for o in ours) and n not in ours}
+        diff = sorted((ours ^ theirs) - containers - {""})[:3]
+        raise ConfigError(
+            "model is not the model these stats were collected from (module names or parameter shapes differ"
+            + (f", e.g. {diff}" if diff else "")
+            + "): pass the same architecture (a meta-device copy is fine) or model=None"
+        )
 
 
 def _unit_params(model: nn.Module, units: list[str]) -> dict[str, list[torch.Size | tuple[int, ...]]]:
@@ -336,7 +360,8 @@ def shard_stats(
             it each unit's shard is ``ceil(bytes / N)`` (padding ignored, noted in ``meta``).
 
     Raises:
-        ConfigError: ``world_size < 1``, unknown mode or unit, stats already per rank.
+        ConfigError: ``world_size < 1``, unknown mode or unit, ``fsdp_units`` of a wrong type, stats already
+            per rank, ``model`` not the model the stats were collected from.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -363,6 +388,8 @@ def shard_stats(
         return _finish(stats, world_size, events, info, stats.param_bytes, stats.grad_bytes, stats.optimizer_bytes)
 
     units = _resolve_units(stats, fsdp_units)
+    if model is not None:
+        _check_model(stats, model)
     tab, approx = _unit_table(stats, units, world_size, model, param_dtype, reduce_dtype)
     events, parts = _fsdp_events(stats, units, tab, reshard_after_forward)
     i = max(range(len(events)), key=lambda k: events[k].peak_bytes) if events else 0

@@ -1,38 +1,38 @@
 """FSDP2 / DDP on CPU (gloo, 2 and 4 processes): per-rank peak vs :func:`sacplan.distributed.shard_stats`.
 
 Each rank builds the same small Llama (fp32), applies a sacplan plan solved on the *per-rank* stats
-(``shard_stats`` of stats collected for the CPU spec), wraps it with ``fully_shard`` (each block, then the
-root) or DDP, and runs training steps on its own batch. Checked:
+(``shard_stats`` of stats collected for the CPU spec) before or after wrapping it with ``fully_shard``
+(each block, then the root) or DDP (``apply_plan`` on the DDP wrapper), and runs training steps on its own
+batch. Ranks rendezvous on a FileStore in the test's ``tmp_path`` (no TCP port race). Checked:
 
 * gradients (``full_tensor`` of the DTensor grads for FSDP) equal the single-process unsharded model's on
   the concatenated batch (mean loss: the ranks' mean of means, which is what reduce-scatter/all-reduce
   averaging gives);
+* the plan is in force: the step's FLOPs exceed the unplanned model's by exactly the plan's
+  ``recompute_flops``;
 * the per-rank peak of a later step (optimizer state exists, as in ``collect``), measured by sacplan's
-  :class:`~sacplan.collect.tracker.StepRecorder` on the real tensors (as ``sacplan.validate._tracker_peak``)
-  and cross-checked by the CPU allocator events of ``torch.profiler``, is within 5% of the prediction.
+  :class:`~sacplan.collect.tracker.StepRecorder` on the real tensors (as ``sacplan.validate._tracker_peak``),
+  is within 5% of the prediction, and so are the CPU allocator events of ``torch.profiler`` (with 4 ranks,
+  up to the frees it provably cannot see: see the bound in the test and ``_mp.traced_cpu_memory``).
 
 FSDP2 allocates and frees unsharded parameters and its flat all-gather buffers by ``UntypedStorage.resize_``,
 which no dispatch mode sees; the StepRecorder hooks ``resize_`` while it records, so it measures them too.
+Every rank's figures are printed (shown by pytest when a case fails).
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.distributed import _mp
+
 pytestmark = pytest.mark.distributed
 
 LAYERS, BATCH, SEQ = 4, 2, 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(t):
@@ -44,95 +44,121 @@ def _tokens(rank: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
-def _worker(rank: int, ws: int, port: int, mode: str, plan_dict, q) -> None:
-    import torch.distributed as dist
+def _wrap(model, mode: str, buckets: dict[int, torch.Tensor]):
+    """FSDP2 (each block, then the root) or DDP around ``model``; the module to call."""
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
 
-    from sacplan.apply import apply_plan
-    from sacplan.collect.runtime import RuntimeModel
+        for blk in model.layers:
+            fully_shard(blk)
+        fully_shard(model)
+        return model
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    runner = DDP(model)  # gradient_as_bucket_view=False (default): buckets are a second copy of the grads
+
+    def record_buckets(state, bucket):  # the buckets persist between steps: count them as live state
+        buckets[bucket.index()] = bucket.buffer()
+        return allreduce_hook(state, bucket)
+
+    runner.register_comm_hook(None, record_buckets)
+    return runner
+
+
+def _measure(rank: int, ws: int, mode: str, order: str, plan_dict: dict, tmp: str) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sacplan.apply import applied_plan, apply_plan
+    from sacplan.collect.runtime import RuntimeModel, flop_mapping
     from sacplan.collect.tracker import INPUT, OPT, OTHER, PARAM, StepRecorder
     from sacplan.devices import CPU
     from sacplan.models import get_model
     from sacplan.plan import Plan
-    from sacplan.validate import _cpu_profiled_peak, _live_bytes
+    from sacplan.validate import _live_bytes
 
     plan = Plan.from_dict(plan_dict)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    t_start = time.perf_counter()
     buckets: dict[int, torch.Tensor] = {}
-    try:
-        preset = get_model("llama-tiny")
-        vocab = preset.config.vocab_size
-        torch.manual_seed(0)
-        ref = preset.build(n_layers=LAYERS)
-        torch.manual_seed(0)
-        model = preset.build(n_layers=LAYERS)
+    preset = get_model("llama-tiny")
+    vocab = preset.config.vocab_size
+    torch.manual_seed(0)
+    ref = preset.build(n_layers=LAYERS)
+    torch.manual_seed(0)
+    model = preset.build(n_layers=LAYERS)
+    if order == "before":
         apply_plan(model, plan)
-        if mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for blk in model.layers:
-                fully_shard(blk)
-            fully_shard(model)
-            runner = model
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            runner = DDP(model)  # gradient_as_bucket_view=False (default): buckets are a second copy of the grads
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            def record_buckets(state, bucket):  # the buckets persist between steps: count them as live state
-                buckets[bucket.index()] = bucket.buffer()
-                return allreduce_hook(state, bucket)
-
-            runner.register_comm_hook(None, record_buckets)
-        toks = _tokens(rank, vocab)
-        # reference: unsharded single-process model, all ranks' batches, mean loss
-        all_toks = torch.cat([_tokens(r, vocab) for r in range(ws)])
+    runner = _wrap(model, mode, buckets)
+    if order == "after":
+        # FSDP2: the root is an FSDPLlama whose blocks are FSDPTransformerBlocks; DDP: the wrapper itself
+        assert apply_plan(runner, plan) is runner
+    assert applied_plan(model) is plan
+    toks = _tokens(rank, vocab)
+    # reference: unsharded single-process model, all ranks' batches, mean loss
+    all_toks = torch.cat([_tokens(r, vocab) for r in range(ws)])
+    with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
         preset.loss_fn(ref(all_toks), all_toks).backward()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ref_flops = fc.get_total_flops()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
-        # step 1: gradients
+    # step 1: gradients and recomputed FLOPs
+    with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
         preset.loss_fn(runner(toks), toks).backward()
-        max_diff, ok = 0.0, True
-        for (n, p), (n2, pr) in zip(model.named_parameters(), ref.named_parameters()):
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            max_diff = max(max_diff, float((g - pr.grad).abs().max()))
-            ok = ok and torch.allclose(g, pr.grad, rtol=1e-4, atol=1e-6)
+    assert ref_flops % ws == 0
+    recompute_flops = fc.get_total_flops() - ref_flops // ws
+    max_diff, ok = 0.0, True
+    for (n, p), (n2, pr) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        max_diff = max(max_diff, float((g - pr.grad).abs().max()))
+        ok = ok and torch.allclose(g, pr.grad, rtol=1e-4, atol=1e-6)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        loss = preset.loss_fn(runner(toks), toks)
+        loss.backward()
+        del loss
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-        def step() -> None:
-            loss = preset.loss_fn(runner(toks), toks)
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    step()  # step 2 unmeasured: DDP rebuilds its buckets in the step after the first
+    state = [_local(p) for p in model.parameters()] + list(buckets.values())
+    state += [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # step 3: the StepRecorder on the real tensors
+    rec = StepRecorder(model, CPU, RuntimeModel(CPU))
+    with rec:
+        rec.register([_local(p) for p in model.parameters()], PARAM)
+        rec.register([_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)], OPT)
+        rec.register((toks,), INPUT)
+        rec.register(list(buckets.values()), OTHER)
+        rec.close_segment()
+        rec.recording = True
+        step()
+        rec.close_segment("other")
+    # steps 4+: the allocator's own events (profiler) as a cross-check. A step in which the profiler missed
+    # a free (one that a gloo worker thread made: see _mp.traced_cpu_memory) leaves bytes at its end; such a
+    # reading is not trusted and the step is measured again (up to 4 times, all ranks together: they run
+    # collectives), keeping each rank's cleanest.
+    import torch.distributed as dist
 
-        step()  # step 2 unmeasured: DDP rebuilds its buckets in the step after the first
-        state = [_local(p) for p in model.parameters()] + list(buckets.values())
-        state += [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        # step 3: the StepRecorder on the real tensors
-        rec = StepRecorder(model, CPU, RuntimeModel(CPU))
-        with rec:
-            rec.register([_local(p) for p in model.parameters()], PARAM)
-            rec.register([_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)], OPT)
-            rec.register((toks,), INPUT)
-            rec.register(list(buckets.values()), OTHER)
-            rec.close_segment()
-            rec.recording = True
-            step()
-            rec.close_segment("other")
-        # step 4: the allocator's own events (profiler) as a cross-check
-        prof_peak = _cpu_profiled_peak(step, _live_bytes(state + [toks]))
-        q.put(dict(rank=rank, grads_ok=ok, max_grad_diff=max_diff, tracker_peak=rec.step_peak,
-                   tracker_where=rec.step_peak_where, profiler_peak=prof_peak))
-    except Exception as e:  # pragma: no cover - reported to the parent
-        import traceback
+    live = _live_bytes(state + [toks])
+    readings = []
+    for _ in range(4):
+        readings.append(_mp.traced_cpu_memory(step, Path(tmp)))
+        dirty = torch.tensor([int(readings[-1]["end"] != 0 or readings[-1]["unseen_free"] != 0)])
+        dist.all_reduce(dirty, op=dist.ReduceOp.MAX)
+        if not dirty.item():
+            break
+    prof = min(readings, key=lambda p: (abs(p["end"]) + p["unseen_free"], p["peak"]))
+    return dict(grads_ok=ok, max_grad_diff=max_diff, recompute_flops=recompute_flops,
+                tracker_peak=rec.step_peak, tracker_where=rec.step_peak_where, profiler_peak=live + prof["peak"],
+                profiler_end=prof["end"], unseen_free=prof["unseen_free"], profiler_steps=len(readings),
+                profiler_peaks=[live + p["peak"] for p in readings], seconds=time.perf_counter() - t_start)
 
-        q.put(dict(rank=rank, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
+
+def _worker(rank: int, ws: int, rdzv: str, mode: str, order: str, plan_dict: dict, tmp: str, q) -> None:
+    _mp.init(rank, ws, rdzv)
+    _mp.guarded(rank, q, lambda: _measure(rank, ws, mode, order, plan_dict, tmp))
 
 
 @pytest.fixture(scope="module")
@@ -167,32 +193,19 @@ def _plan_for(per_rank):
     return plan
 
 
-def _run(mode: str, ws: int, plan) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(ws, _free_port(), mode, plan.to_dict(), q), nprocs=ws, join=True)
-    out = []
-    while not q.empty():
-        out.append(q.get())
-    assert len(out) == ws
-    errors = [r["error"] for r in out if "error" in r]
-    assert not errors, errors[0]
-    return sorted(out, key=lambda r: r["rank"])
-
-
 @pytest.mark.parametrize(
-    "mode,ws",
+    "mode,ws,order",
     [
-        ("fsdp", 2),
-        ("ddp", 2),
-        # 4 processes on a 2-core machine: the tracker matches to 0.01%, but the profiler cross-check has seen
-        # +8% on one rank when the machine is loaded (timing-dependent all-gather overlap); run with -m slow.
-        pytest.param("fsdp", 4, marks=pytest.mark.slow),
+        ("fsdp", 2, "before"),
+        ("fsdp", 2, "after"),
+        ("ddp", 2, "before"),
+        ("ddp", 2, "after"),
+        ("fsdp", 4, "before"),
+        ("fsdp", 4, "after"),
     ],
 )
-def test_per_rank_peak_and_grads(cpu_stats, mode, ws):
+def test_per_rank_peak_and_grads(cpu_stats, tmp_path, mode, ws, order):
+    """Plan applied before or after wrapping: gradients, recomputed FLOPs and per-rank peak as predicted."""
     from sacplan.distributed import shard_stats
 
     stats, meta_model = cpu_stats
@@ -200,17 +213,41 @@ def test_per_rank_peak_and_grads(cpu_stats, mode, ws):
     assert per_rank.world_size == ws
     plan = _plan_for(per_rank)
     predicted = plan.predicted_peak_bytes
-    t0 = time.perf_counter()
-    results = _run(mode, ws, plan)
+    planned_flops = sum(d.recompute_flops for d in plan.decisions)
+    results = _mp.spawn(_worker, ws, tmp_path, mode, order, plan.to_dict(), str(tmp_path))
+    lines, failures = [], []
     for r in results:
         tr_err = (r["tracker_peak"] - predicted) / r["tracker_peak"]
         pr_err = (r["profiler_peak"] - predicted) / r["profiler_peak"]
-        print(f"{mode} ws={ws} rank {r['rank']}: predicted {predicted}, tracker {r['tracker_peak']} ({tr_err:+.2%}) "
-              f"at {r['tracker_where']}, profiler {r['profiler_peak']} ({pr_err:+.2%}), "
-              f"max |grad diff| {r['max_grad_diff']:.2e}, {time.perf_counter() - t0:.1f}s")
-        assert r["grads_ok"], f"rank {r['rank']}: gradients differ from the reference by {r['max_grad_diff']}"
-        assert abs(tr_err) <= 0.05, f"rank {r['rank']}: tracker peak {r['tracker_peak']} vs predicted {predicted}"
-        assert abs(pr_err) <= 0.05, f"rank {r['rank']}: profiler peak {r['profiler_peak']} vs predicted {predicted}"
+        # Frees the profiler cannot see (see _mp.traced_cpu_memory) leave its running sum high by up to what
+        # it still holds after this steady-state step, so the true peak lies in [peak - end, peak].
+        low_err = (r["profiler_peak"] - max(0, r["profiler_end"]) - predicted) / r["profiler_peak"]
+        lines.append(
+            f"{mode} ws={ws} {order} rank {r['rank']}: predicted {predicted}, tracker {r['tracker_peak']} "
+            f"({tr_err:+.2%}) at {r['tracker_where']}, profiler {r['profiler_peak']} ({pr_err:+.2%}; unseen frees "
+            f"{r['unseen_free']}, end {r['profiler_end']}, {r['profiler_steps']} step(s): {r['profiler_peaks']}), "
+            f"recomputed FLOPs {r['recompute_flops']} "
+            f"(plan {planned_flops}), max |grad diff| {r['max_grad_diff']:.2e}, {r['seconds']:.1f}s"
+        )
+        if not r["grads_ok"]:
+            failures.append(f"rank {r['rank']}: gradients differ from the reference by {r['max_grad_diff']}")
+        if r["recompute_flops"] != planned_flops:
+            failures.append(f"rank {r['rank']}: recomputed {r['recompute_flops']} FLOPs, the plan {planned_flops}")
+        if abs(tr_err) > 0.05:
+            failures.append(f"rank {r['rank']}: tracker peak {r['tracker_peak']} vs predicted {predicted}")
+        clean = r["profiler_end"] == 0 and r["unseen_free"] == 0
+        if ws <= 2 or clean:
+            prof_ok = abs(pr_err) <= 0.05
+        else:
+            # 4 ranks on 2 cores: a gloo worker thread sometimes drops a collective's last reference to its
+            # tensors (an FSDP2 all-gather or reduce-scatter buffer), a free the profiler never records, which
+            # read +3% to +8% here while the tracker stayed at -0.4%. When no clean step was measured, the
+            # true peak lies in [peak - end, peak]: that interval must meet the 5% band around the prediction.
+            prof_ok = pr_err >= -0.05 and low_err <= 0.05
+        if not prof_ok:
+            failures.append(f"rank {r['rank']}: profiler peak {r['profiler_peak']} vs predicted {predicted}")
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures + lines)
 
 
 # ----------------------------------------------------------------------------------- no process group
