@@ -484,6 +484,18 @@ def _solve_highs(
     x = list(h.getSolution().col_value) if has_x else None
     objective = model.evaluate(x) if x is not None else INF
     mip = any(model.col_int)
+    if (
+        mip
+        and warm_start is not None
+        and x is not None
+        and objective - float(info.objective_function_value) > max(gap_abs, 1e-9 * max(1.0, abs(objective)))
+    ):
+        # HiGHS 1.16 can report a better MIP objective than the solution vector it returns, which is then the
+        # warm start handed in (seen when presolve settles the model): the better vector is lost, so solve again
+        # without the warm start.
+        res = _solve_highs(model, time_limit_s, gap_rel, gap_abs, threads, None, feas_tol, highs_options)
+        return dataclasses.replace(res, solve_s=res.solve_s + solve_s, log="HiGHS re-run without the warm start: its "
+                                   "solution vector was the warm start, not the better objective it reported")
     if ms == highspy.HighsModelStatus.kOptimal:
         status = OPTIMAL
         bound = float(info.mip_dual_bound) if mip else objective

@@ -263,7 +263,7 @@ def _graph_milp(
         time_limit_s=time_limit_s,
         warm_start=warm,
         priorities={k: 1 for k, _ in kcols} or None,
-        options=["preprocess off"] if kcols else (),
+        options=["preprocess off"],  # CBC preprocessing has cut off optima at tight budgets (see milp)
     )
     if res.x is None or res.status not in (OPTIMAL, TIME_LIMIT):
         return {}, 0, -1
