@@ -486,6 +486,7 @@ def _solve_highs(
     mip = any(model.col_int)
     if (
         mip
+        and ms == highspy.HighsModelStatus.kOptimal
         and warm_start is not None
         and x is not None
         and objective - float(info.objective_function_value) > max(gap_abs, 1e-9 * max(1.0, abs(objective)))

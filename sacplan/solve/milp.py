@@ -110,7 +110,7 @@ class SacProblem:
         ac_units: Sequence[str] | None = None,
         fsdp_units: Sequence[str] | None = None,
         exact: bool = False,
-        max_options: int = 16,
+        max_options: int | None = 16,
         solver: str = "cbc",
         relax: bool = False,
     ) -> None:
@@ -118,7 +118,7 @@ class SacProblem:
         self.tree = tree
         #: exact mode: candidates with ops choose among their op-level options (see :meth:`options`)
         self.exact = bool(exact)
-        self.max_options = int(max_options)
+        self.max_options = None if max_options is None else int(max_options)
         self._solver = solver
         self._options: dict[int, ModuleOptions | None] = {}
         base_ws = max(1, int(stats.world_size))
@@ -293,8 +293,8 @@ class SacProblem:
     def options(self, slot: int) -> ModuleOptions | None:
         """Exact op-level options of candidate ``slot`` (None when not in exact mode or it has no ops).
 
-        Computed from :func:`~sacplan.solve.ops.module_options` at the ratios of the trade-off's greedy
-        vertices and memoised per class of identical candidates.
+        The module's exact Pareto front of save lists (:func:`~sacplan.solve.ops.module_options`), pruned to
+        ``max_options`` (None: all of it), memoised per class of identical candidates.
         """
         if not self.exact:
             return None
@@ -312,14 +312,17 @@ class SacProblem:
                     st.ops,
                     c.max_discard_bytes,
                     c.recompute_ms,
-                    [p[0] for p in t.points],
                     recompute_stop=st.recompute_stop or None,
                     max_options=self.max_options,
-                    solver=_lp_solver(self._solver),
                 )
                 self._options[key] = out  # type: ignore[index]
         self._options[slot] = out
         return out
+
+    def options_complete(self) -> bool:
+        """True when every candidate picks among its *whole* Pareto front of save lists (exact mode,
+        ``max_options=None``, no front thinned): the MILP then ranges over every plan."""
+        return self.exact and all((o := self.options(c.slot)) is not None and o.complete for c in self.candidates)
 
     def snap(self, y: Sequence[float], r: Sequence[float]) -> np.ndarray:
         """Ratios raised to the cheapest option discarding at least as much (exact candidates only)."""
@@ -735,7 +738,8 @@ class SacProblem:
 
     # -- heuristic incumbent ----------------------------------------------------------------------------
     def heuristic(
-        self, model: MilpModel, idx: _Index, budget: float, solver: str, threads: int | None
+        self, model: MilpModel, idx: _Index, budget: float, solver: str, threads: int | None,
+        time_limit_s: float | None = None,
     ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
         """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
         LP relaxation's objective (a lower bound of the MILP's)."""
@@ -760,6 +764,8 @@ class SacProblem:
             if sub.x is None:
                 continue
             y2, r2 = self.decision_from(idx, sub.x)
+            if idx.w:
+                r2 = self._round_up(idx, sub.x, y2)
             # drop checkpoints the LP left unused: r = 0 only costs the intercept and adds recompute extras
             y2[r2 <= 1e-12] = 0.0
             r2 = self.repair(y2, r2 * y2, budget)
@@ -770,7 +776,166 @@ class SacProblem:
                 best = (val, y2, r2)
         if best is None:
             return None, lp_bound
+        if self.exact:
+            limit = 2.0 if time_limit_s is None else min(2.0, 0.25 * time_limit_s)
+            return self.improve(best[1], best[2], budget, time_limit_s=limit), lp_bound
         return (best[1], best[2]), lp_bound
+
+    def _round_up(self, idx: _Index, x: Sequence[float], y: np.ndarray) -> np.ndarray:
+        """Exact-mode ratios from a fractional LP solution ``x`` (with ``y`` fixed) that discard at least as much
+        as the LP at every event, so the rounding stays feasible at nearly the LP's cost.
+
+        A module alone takes the next option at or above its LP level. In a class of identical sequential
+        blocks, the LP's fractional counts per level ``N_k = Σ w_{i,k}`` (over checkpointed members) are
+        rounded up and given to the earliest members in forward order: every prefix of the forward order —
+        what any fw or bw event counts — then discards ``Σ_k Δr_k · min(p, ⌈N_k⌉)``, at least the LP's, and
+        only one member per level and class pays for the rounding."""
+        r = np.zeros(self.num_candidates)
+        done: set[int] = set()
+        for _, members in self.classes():
+            if len(members) < 2 or members[0] not in idx.w:
+                continue
+            seq = self._sequential(members)
+            if seq is None:
+                continue
+            on = [s for s in seq if y[s] > 0.5]
+            o = self.options(members[0])
+            assert o is not None
+            counts = [math.ceil(sum(x[idx.w[s][k]] for s in on) - 1e-6) for k in range(len(idx.w[members[0]]))]
+            for i, s in enumerate(on):
+                r[s] = o.ratio[sum(1 for n in counts if i < n)]
+            done.update(members)
+        for c in self.candidates:
+            s = c.slot
+            if s in done or y[s] < 0.5:
+                continue
+            o = self.options(s)
+            if o is None or s not in idx.w:
+                r[s] = min(1.0, max(0.0, x[idx.r[s]]))
+            else:
+                r[s] = o.ratio[sum(1 for j in idx.w[s] if x[j] > 1e-6)]
+        return r
+
+    def linear_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes).
+
+        ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
+        checkpointing ``s`` adds at ``e`` (its per-call overhead while discarded, its recompute transient at
+        its rc events). Memoised."""
+        if getattr(self, "_lin", None) is None:
+            n, nc = len(self.ev_base), self.num_candidates
+            C = np.zeros((n, nc))
+            Y = np.zeros((n, nc))
+            o = self.ck_overhead
+            fw_c = np.zeros((len(self.fw_slot) + 1, nc))  # per kc: discard coefficients of the first kc entries
+            fw_y = np.zeros((len(self.fw_slot) + 1, nc))
+            for p, (sl, a) in enumerate(zip(self.fw_slot, self.fw_amt)):
+                fw_c[p + 1], fw_y[p + 1] = fw_c[p], fw_y[p]
+                fw_c[p + 1, sl] += a
+                fw_y[p + 1, sl] += o
+            nb = len(self.bw_slot)
+            bw_c = np.zeros((nb + 1, nc))  # per kc: coefficients of entries kc.. (not yet re-materialised)
+            bw_y = np.zeros((nb + 1, nc))
+            for p in range(nb - 1, -1, -1):
+                bw_c[p], bw_y[p] = bw_c[p + 1], bw_y[p + 1]
+                bw_c[p, self.bw_slot[p]] += self.bw_amt[p]
+                bw_y[p, self.bw_slot[p]] += o
+            for e in range(n):
+                ph = self.ev_phase[e]
+                if ph == FW:
+                    kc = int(self.kc_fw[self.ev_k[e]])
+                    C[e], Y[e] = fw_c[kc], fw_y[kc]
+                elif ph in (BW, RC):
+                    kc = int(self.kc_bw[self.ev_k[e]])
+                    C[e], Y[e] = bw_c[kc], bw_y[kc]
+                    if ph == RC:
+                        Y[e, self.ev_slot[e]] += self.ev_extra[e]
+            self._lin = (C, Y)
+        return self._lin
+
+    def improve(
+        self, y: np.ndarray, r: np.ndarray, budget: float, time_limit_s: float = 2.0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Local descent over option levels of a feasible exact-mode decision (a better incumbent).
+
+        Moves, best saving first, each checked exactly in bytes: a checkpointed module one option cheaper, or
+        not checkpointed at all; and where that alone does not fit, one option cheaper for it with one option
+        more for another module, when the pair saves time. Stops when no move saves or after ``time_limit_s``.
+        Each check is a matrix-vector step on :meth:`linear_terms`.
+        """
+        t0 = time.perf_counter()
+        C, Y = self.linear_terms()
+        nc = self.num_candidates
+        opts = [self.options(s) for s in range(nc)]
+        if any(o is None for o in opts) or nc == 0:
+            return y, r
+        w = np.array([c.calls * c.recompute_ms for c in self.candidates])
+        y = (np.asarray(y, dtype=float) > 0.5).astype(float)
+        lvl = np.array([opts[s].level_for(float(r[s])) if y[s] > 0.5 else -1 for s in range(nc)])
+        ratio = lambda s, k: 0.0 if k < 0 else opts[s].ratio[k]  # noqa: E731
+        qcost = lambda s, k: 0.0 if k < 0 else w[s] * opts[s].frac[k]  # noqa: E731
+        r = np.array([ratio(s, lvl[s]) for s in range(nc)])
+        m = self.ev_base - C @ r + Y @ y
+        lim = budget + 1e-6
+        if np.max(m) > lim:
+            return y, r
+        while time.perf_counter() - t0 < time_limit_s:
+            on = np.nonzero(lvl >= 0)[0]
+            if not len(on):
+                break
+            # single moves: one level down (or off from level 0), or off from any level
+            down = np.array([lvl[s] - 1 for s in on])
+            d_r = np.array([ratio(s, k) - r[s] for s, k in zip(on, down)])
+            d_y = np.where(down < 0, -1.0, 0.0)
+            save = np.array([qcost(s, lvl[s]) - qcost(s, k) for s, k in zip(on, down)])
+            new = m[:, None] - C[:, on] * d_r[None, :] + Y[:, on] * d_y[None, :]
+            ok = np.max(new, axis=0) <= lim
+            off_save = np.array([qcost(s, lvl[s]) for s in on])
+            off_new = m[:, None] + C[:, on] * r[on][None, :] - Y[:, on]
+            off_ok = np.max(off_new, axis=0) <= lim
+            best_s, best_val, best_k = -1, 1e-12, 0
+            for i, s in enumerate(on):
+                if ok[i] and save[i] > best_val:
+                    best_s, best_val, best_k = s, save[i], down[i]
+                if off_ok[i] and off_save[i] > best_val:
+                    best_s, best_val, best_k = s, off_save[i], -1
+            if best_s >= 0:
+                s = best_s
+                nr, ny = ratio(s, best_k), (1.0 if best_k >= 0 else 0.0)
+                m = m - C[:, s] * (nr - r[s]) + Y[:, s] * (ny - y[s])
+                r[s], y[s], lvl[s] = nr, ny, best_k
+                continue
+            # pair moves: s one level down, t one level up (t already checkpointed, below its last option)
+            moved = False
+            ups = np.array([t for t in on if lvl[t] + 1 < len(opts[t].ratio)])
+            if len(ups):
+                up_dr = np.array([opts[t].ratio[lvl[t] + 1] - r[t] for t in ups])
+                up_cost = np.array([qcost(t, lvl[t] + 1) - qcost(t, lvl[t]) for t in ups])
+                best = (1e-9, -1, -1)
+                for i in np.argsort(-save):
+                    s = on[i]
+                    if down[i] < 0 or save[i] <= best[0]:
+                        continue
+                    excess = new[:, i] - lim
+                    bind = np.nonzero(excess > 0)[0]
+                    fix = np.all(C[np.ix_(bind, ups)] * up_dr[None, :] >= excess[bind][:, None], axis=0)
+                    fix &= ups != s
+                    if fix.any():
+                        j = int(np.argmin(np.where(fix, up_cost, np.inf)))
+                        gain = save[i] - up_cost[j]
+                        if gain > best[0]:
+                            # exact check of the pair (the two changes interact at no event: both linear)
+                            best = (gain, s, int(ups[j]))
+                if best[1] >= 0:
+                    _, s, t = best
+                    for u, k in ((s, lvl[s] - 1), (t, lvl[t] + 1)):
+                        m = m - C[:, u] * (ratio(u, k) - r[u])
+                        r[u], lvl[u] = ratio(u, k), k
+                    moved = bool(np.max(m) <= lim)
+                    assert moved, "pair move broke the budget"  # linear model: cannot happen
+            if not moved:
+                break
+        return y, r
 
     def _unnest(self, y: np.ndarray, score: np.ndarray) -> np.ndarray:
         """Keep, along every candidate chain, only nodes no chosen ancestor covers (highest score wins)."""
@@ -971,7 +1136,7 @@ def solve(
     op_level: bool = True,
     threads: int | None = None,
     exact: bool | None = None,
-    max_options: int = 16,
+    max_options: int | None = 16,
 ) -> Plan:
     r"""Cheapest selective activation checkpointing plan whose predicted per-rank peak fits ``budget``.
 
@@ -1016,8 +1181,8 @@ def solve(
       branching; see below).
 
     Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
-    lines. Its options come from :func:`~sacplan.solve.ops.module_options` — the exact op-level knapsack solved
-    at the ratios of its greedy vertices, Pareto-pruned, at most ``max_options`` — and it picks one of them:
+    lines. Its options come from :func:`~sacplan.solve.ops.module_options` — the module's exact Pareto front of
+    save lists (a knapsack DP over its op groups), pruned to at most ``max_options`` — and it picks one of them:
     ``y_i`` selects option 0, ordered binaries ``w_{i,1} ≥ w_{i,2} ≥ …`` (``w_{i,1} ≤ y_i``) step up,
     ``r_i = r_0·y_i + Σ_k (r_k - r_{k-1})·w_{i,k}`` and the cost is ``R_i·(q_0·y_i + Σ_k (q_k - q_{k-1})·w_{i,k})``.
     The objective is then what the plan realises (the lines, an upper bound of the achievable staircase,
@@ -1059,7 +1224,10 @@ def solve(
         threads: solver threads (default 1: deterministic).
         exact: choose among exact op-level options (default: ``op_level``); False uses the trade-off lines
             and realises their ratios by op selection.
-        max_options: options per module in exact mode (more: finer choice, larger MILP).
+        max_options: options per module in exact mode (more: finer choice, larger MILP). None keeps each
+            module's whole Pareto front of save lists: the MILP then ranges over *every* plan (any non-nested
+            units, any save lists), and ``plan.meta["options_complete"]`` is True when no front had to be
+            thinned — its proven optimum is the best plan there is under the memory model.
 
     Raises:
         InfeasibleBudgetError: no plan fits; carries the computed smallest feasible budget.
@@ -1116,7 +1284,7 @@ def solve(
     if trivially_infeasible:
         raise infeasible()
     t_h = time.perf_counter()
-    start, lp_bound = problem.heuristic(model, idx, float(budget_bytes), solver, threads)
+    start, lp_bound = problem.heuristic(model, idx, float(budget_bytes), solver, threads, time_limit_s)
     heur_s = time.perf_counter() - t_h
     warm = problem.columns_for(model, idx, *start) if start is not None else None
     build_s = time.perf_counter() - t_start
@@ -1142,6 +1310,8 @@ def solve(
         "tolerance_cuts": cuts,
         "op_level": op_level,
         "exact": problem.exact,
+        # every candidate chose among its whole Pareto front: the optimum is over every plan (max_options=None)
+        "options_complete": problem.options_complete(),
     }
     min_feasible: int | None = None
     if res.x is None:
@@ -1303,11 +1473,9 @@ def _realise(
         sel = None
         opts = problem.options(s)
         if opts is not None and op_level:
-            cap = opts.capacity[opts.level_for(ratio)]
-            if cap is None:
+            sel = opts.selection[opts.level_for(ratio)]
+            if sel is None:
                 ratio = 1.0
-            else:
-                sel = select_ops(st.ops, cap, solver=_lp_solver(solver), recompute_stop=st.recompute_stop or None)
         elif ratio < 1.0 - 1e-12 and op_level and st.ops:
             try:
                 sel = select_ops(

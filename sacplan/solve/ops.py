@@ -255,13 +255,17 @@ class ModuleOptions:
 
     Option ``k`` discards ``ratio[k] · A`` bytes (``A`` = the trade-off's ``max_discard_bytes``) and
     recomputes ``frac[k] · R`` ms (``R`` = its ``full_recompute_ms``); both strictly increase with ``k``
-    (dominated options are dropped). ``capacity[k]`` is the ``max_saved_bytes`` whose :func:`select_ops`
-    realises it exactly (``None``: full checkpoint, nothing saved but what must be).
+    (dominated options are dropped). ``selection[k]`` is the op selection that realises option ``k`` exactly
+    (``None``: full checkpoint, nothing saved); ``capacity[k]`` its saved bytes (``None`` likewise).
+    ``complete`` is True when the options are *every* Pareto-optimal save list of the module (nothing pruned),
+    so an MILP over them ranges over all plans.
     """
 
     ratio: tuple[float, ...]
     frac: tuple[float, ...]
     capacity: tuple[int | None, ...]
+    selection: tuple[OpSelection | None, ...] = ()
+    complete: bool = False
 
     def level_for(self, r: float) -> int:
         """The cheapest option discarding at least ratio ``r`` (the last one if none does)."""
@@ -271,59 +275,128 @@ class ModuleOptions:
         return len(self.ratio) - 1
 
 
+#: Pareto points the exact front may hold before it is thinned (see :func:`pareto_front`)
+FRONT_CAP = 20000
+
+
+def pareto_front(
+    ops: Sequence[OpStat], *, recompute_stop: int | None = None, cap: int = FRONT_CAP
+) -> tuple[list[tuple[int, float, int]], list[_Group], set[int], bool]:
+    """Every Pareto-optimal choice of free op groups to save: fewest bytes for the most ms saved.
+
+    A dynamic programme over the free groups (the 0/1 knapsack of :func:`select_ops` for *every* capacity at
+    once): the front after group ``g`` is the Pareto-maximal union of the front before it and the front with
+    ``g`` added. Returns ``(front, free groups, positions always saved, complete)`` where ``front`` holds
+    ``(bytes, ms, mask)`` by increasing bytes and ms, ``mask`` the bit set of chosen free groups. Should the
+    front exceed ``cap`` points it is thinned to the best point per byte bucket (``complete`` is then False);
+    a Llama-7B block has 44 free groups and a 438-point front (2 ms).
+    """
+    ops = tuple(ops)
+    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    always: set[int] = set()
+    free: list[_Group] = []
+    for g in _groups(ops, False, stop):
+        if g.fixed == 1 or (g.fixed is None and g.bytes == 0 and g.ms > 0.0):
+            always.update(g.members)
+        elif g.fixed is None and g.ms > 0.0:
+            free.append(g)
+    front: list[tuple[int, float, int]] = [(0, 0.0, 0)]
+    complete = True
+    for i, g in enumerate(free):
+        bit = 1 << i
+        merged = sorted(front + [(b + g.bytes, m + g.ms, k | bit) for b, m, k in front], key=lambda p: (p[0], -p[1]))
+        front = []
+        for p in merged:
+            if not front or p[1] > front[-1][1] + 1e-12 * max(1.0, abs(front[-1][1])):
+                front.append(p)
+        if len(front) > cap:
+            complete = False
+            width = front[-1][0] / cap
+            thin: dict[int, tuple[int, float, int]] = {}
+            for p in front:  # per bucket keep the point saving the most ms (ties: fewer bytes)
+                key = int(p[0] // width)
+                if key not in thin or p[1] > thin[key][1]:
+                    thin[key] = p
+            front = sorted(thin.values())
+    return front, free, always, complete
+
+
 def module_options(
     ops: Sequence[OpStat],
     max_discard_bytes: int,
     full_recompute_ms: float,
-    ratios: Sequence[float],
     *,
     recompute_stop: int | None = None,
-    max_options: int = 16,
-    solver: str = "cbc",
+    max_options: int | None = 16,
 ) -> ModuleOptions:
-    """Options of one module from exact op-level selections at the discard ratios ``ratios``.
+    """Options of one module: its exact Pareto front of save lists (:func:`pareto_front`), at most ``max_options``.
 
-    For each ratio the knapsack :func:`select_ops` is solved at ``max_saved_bytes ≈ A·(1 - r)``; its
-    *realised* discard and recompute form one option (at least as good as the greedy vertex the ratio came
-    from: the knapsack is exact). The full checkpoint ``(1, 1)`` is always an option. Dominated options
-    (no larger discard for no smaller cost) are dropped; above ``max_options`` the ones whose removal
-    costs least (the next kept option's extra cost times the discard span it covers) are dropped, keeping
-    the first and the last.
+    Each front point is realised as an :class:`OpSelection` and recorded by what it realises (discard ratio,
+    recompute fraction); the full checkpoint ``(1, 1)`` is always an option. Dominated options (no larger
+    discard for no smaller cost) are dropped. Above ``max_options`` (None: keep all, and ``complete`` says
+    whether that is every Pareto-optimal save list) interior options are dropped one at a time, the one whose
+    removal costs least first (the next kept option's extra cost times the discard span it covers), vertices
+    of the front's lower convex hull last (they are what the LP relaxation leans on).
     """
+    ops = tuple(ops)
     A = int(max_discard_bytes)
     R = float(full_recompute_ms)
-    pts: list[tuple[float, float, int | None]] = [(1.0, 1.0, None)]
+    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    pts: list[tuple[float, float, OpSelection | None]] = [(1.0, 1.0, None)]
+    complete = True
     if A > 0 and R > 0:
-        for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
-            # nearest byte: the option records what the selection realises, so no floor is needed (a floor
-            # of 0.2·A computed in floats can land one byte short of a whole op and lose that option)
-            cap = max(0, min(A, int(round(A * (1.0 - r)))))
-            try:
-                sel = select_ops(ops, cap, solver=solver, recompute_stop=recompute_stop)
-            except InfeasibleBudgetError:
-                continue
+        front, free, always, complete = pareto_front(ops, recompute_stop=stop)
+        for _, _, mask in front:
+            saved = set(always)
+            for i, g in enumerate(free):
+                if mask >> i & 1:
+                    saved.update(g.members)
+            sel = _result(ops, saved, stop, False)
             d = A - sel.saved_bytes
-            if d < 0:
-                continue
-            pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), cap))
+            if d >= 0:
+                pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), sel))
     # Pareto front: by ratio descending, keep strictly cheaper options
     pts.sort(key=lambda p: (-p[0], p[1], p[2] is not None))
-    front: list[tuple[float, float, int | None]] = []
+    kept: list[tuple[float, float, OpSelection | None]] = []
     for p in pts:
-        if not front or p[1] < front[-1][1] - 1e-12:
-            if front and abs(p[0] - front[-1][0]) <= 1e-15:
+        if not kept or p[1] < kept[-1][1] - 1e-12:
+            if kept and abs(p[0] - kept[-1][0]) <= 1e-15:
                 continue
-            front.append(p)
-    front.reverse()
-    while len(front) > max(2, max_options):
-        # drop the interior option whose loss is smallest: (q_next - q_k) · (r_k - r_prev)
-        loss = [
-            ((front[k + 1][1] - front[k][1]) * (front[k][0] - front[k - 1][0]), k) for k in range(1, len(front) - 1)
-        ]
-        front.pop(min(loss)[1])
+            kept.append(p)
+    kept.reverse()
+    if max_options is not None and len(kept) > max(2, max_options):
+        complete = False
+        hull = _hull_indices([(p[0], p[1]) for p in kept])
+        is_hull = [k in hull for k in range(len(kept))]
+        while len(kept) > max(2, max_options):
+            # drop the interior option whose loss is smallest: (q_next - q_k) · (r_k - r_prev); hull vertices last
+            k = min(
+                range(1, len(kept) - 1),
+                key=lambda k: (is_hull[k], (kept[k + 1][1] - kept[k][1]) * (kept[k][0] - kept[k - 1][0]), k),
+            )
+            kept.pop(k)
+            is_hull.pop(k)
     return ModuleOptions(
-        ratio=tuple(p[0] for p in front), frac=tuple(p[1] for p in front), capacity=tuple(p[2] for p in front)
+        ratio=tuple(p[0] for p in kept),
+        frac=tuple(p[1] for p in kept),
+        capacity=tuple(None if p[2] is None else p[2].saved_bytes for p in kept),
+        selection=tuple(p[2] for p in kept),
+        complete=complete,
     )
+
+
+def _hull_indices(pts: Sequence[tuple[float, float]]) -> set[int]:
+    """Indices of the lower convex hull's vertices of points sorted by x (Andrew's monotone chain)."""
+    hull: list[int] = []
+    for i, (x, y) in enumerate(pts):
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = pts[hull[-2]], pts[hull[-1]]
+            if (x2 - x1) * (y - y1) - (y2 - y1) * (x - x1) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return set(hull)
 
 
 def fractional_lines(
@@ -360,17 +433,8 @@ def fractional_lines(
         ms += g.ms
         pts.append(((A - saved) / A, ms / R))
     pts.append((1.0, 1.0))
-    # lower convex hull (Andrew's monotone chain, lower part)
     pts = sorted(set(pts))
-    hull: list[tuple[float, float]] = []
-    for p in pts:
-        while len(hull) >= 2:
-            (x1, y1), (x2, y2) = hull[-2], hull[-1]
-            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:
-                hull.pop()
-            else:
-                break
-        hull.append(p)
+    hull = [pts[i] for i in sorted(_hull_indices(pts))]
     slopes, intercepts = [], []
     for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
         if x2 - x1 <= 1e-15:
