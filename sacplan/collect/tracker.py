@@ -19,6 +19,7 @@ peak becomes a :class:`~sacplan.stats.MemoryEvent`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -197,10 +198,9 @@ class StepRecorder(TorchDispatchMode):
         # totals
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
-        self._handles: list[Any] = []
+        self._undo: contextlib.ExitStack | None = None
         self._pending_bw_post: list[Callable[[], None]] = []
         self._callback_queued = False
-        self._saved_hooks: Any = None
         #: ``(fqn, exception)`` of the innermost module whose forward raised (set while the exception unwinds).
         self.failed_in: tuple[str, BaseException] | None = None
 
@@ -492,14 +492,19 @@ class StepRecorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ context -------------------
     def __enter__(self) -> "StepRecorder":
-        self._handles = [
-            register_module_forward_pre_hook(self._fw_pre),
-            register_module_forward_hook(self._fw_post, with_kwargs=True, always_call=True),
-        ]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._saved_hooks.__enter__()
-        self._install_resize_hook()
-        return super().__enter__()
+        # Everything global this installs is undone by ``self._undo`` (last in, first out), also when entering
+        # fails halfway: after the step every global hook dict, ``UntypedStorage.resize_`` and the saved-tensor
+        # hooks stack are as they were (tests/collect/test_global_state.py).
+        with contextlib.ExitStack() as undo:
+            undo.callback(_remove_global_hook, register_module_forward_pre_hook(self._fw_pre))
+            post = register_module_forward_hook(self._fw_post, with_kwargs=True, always_call=True)
+            undo.callback(_remove_global_hook, post)
+            undo.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            self._install_resize_hook()
+            undo.callback(self._restore_resize)
+            out = super().__enter__()
+            self._undo = undo.pop_all()
+        return out
 
     def _install_resize_hook(self) -> None:
         """See ``UntypedStorage.resize_``: FSDP2 allocates and frees unsharded parameters and its all-gather
@@ -525,17 +530,38 @@ class StepRecorder(TorchDispatchMode):
             return out
 
         self._orig_resize = orig
+        self._resize_was_own = "resize_" in vars(torch.UntypedStorage)
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
 
+    def _restore_resize(self) -> None:
+        if self._resize_was_own:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        else:  # inherited from torch._C.StorageBase: assigning it back would shadow the base class's
+            del torch.UntypedStorage.resize_
+
     def __exit__(self, *exc: Any) -> None:
+        undo, self._undo = self._undo, None
         try:
             super().__exit__(*exc)
         finally:
-            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
-            self._saved_hooks.__exit__(*exc)
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+            if undo is not None:
+                undo.close()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _remove_global_hook(handle: Any) -> None:
+    """``handle.remove()`` for a global module hook, its ``with_kwargs`` flag included.
+
+    ``register_module_forward_hook`` files the flag in ``_global_forward_hooks_with_kwargs`` but hands back a
+    handle whose ``extra_dict`` lists only ``_global_forward_hooks_always_called`` (torch 2.13), so
+    ``remove()`` left ``{id: True}`` behind. That alone keeps ``_has_any_global_hook()`` true, and every
+    ``torch.compile``d module then warns about global hooks on each call.
+    """
+    handle.remove()
+    torch.nn.modules.module._global_forward_hooks_with_kwargs.pop(handle.id, None)
 
 
 _ATTENTION_PACKETS = {
