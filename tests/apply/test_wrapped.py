@@ -24,9 +24,6 @@ from sacplan.plan import ModuleDecision, load_plan
 from sacplan.solve import solve
 from tests.distributed import _mp
 
-# torch.compile warns when global module hooks exist (another test's leftovers must not fail this one)
-pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-
 
 def _legacy_fingerprint(model: nn.Module) -> str:
     """``model_fingerprint`` as sacplan computed it before it looked through wrappers (frozen copy)."""
