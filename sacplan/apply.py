@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import sys
 from typing import Any, Callable, Iterator, Mapping
 
@@ -35,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from sacplan.errors import PlanMismatchError, UnsupportedModelError
-from sacplan.fingerprint import canonical_fqn
+from sacplan.fingerprint import canonical_names, model_fingerprint
 from sacplan.opnames import RANDOM, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
 
 __all__ = ["apply_plan", "remove_plan", "applied_plan", "make_policy"]
@@ -198,8 +197,6 @@ _FORWARDING_WRAPPERS = (
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
     ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
 )
-#: Wrapper names as the *last* fqn segment (``canonical_fqn`` strips them only when followed by a dot).
-_WRAPPER_LEAVES = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module", "_orig_mod")
 
 
 def _wrapped_attr(mod: nn.Module) -> str | None:
@@ -218,52 +215,14 @@ def _inner(mod: nn.Module) -> nn.Module:
     return mod
 
 
-def _canonical(name: str) -> str:
-    name = canonical_fqn(name)
-    for leaf in _WRAPPER_LEAVES:
-        if name == leaf:
-            return ""
-        if name.endswith("." + leaf):
-            return name[: -len(leaf) - 1]
-    return name
-
-
-def _type_name(mod: nn.Module) -> str:
-    """The module's class name, with FSDP2's dynamic ``FSDP<Class>`` subclass counted as ``<Class>``."""
-    cls = type(mod)
-    fsdp = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
-    base_cls = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
-    if base_cls is not None and issubclass(cls, base_cls):
-        rest = [b for b in cls.__bases__ if b is not base_cls]
-        if len(rest) == 1 and cls.__name__ == "FSDP" + rest[0].__name__:
-            return rest[0].__name__
-    return cls.__name__
-
-
-def _fingerprint(model: nn.Module) -> str:
-    """:func:`~sacplan.fingerprint.model_fingerprint` of the model as it was before FSDP2 / DDP / compile wrapping.
-
-    Equal to ``model_fingerprint`` on an unwrapped model (tested); unlike it, it also ignores a wrapper's
-    name as the last segment of an fqn (``layers.0._orig_mod``: a block compiled with ``torch.compile``) and
-    FSDP2's renamed classes, which would otherwise make every wrapped model look like another model.
-    """
-    h = hashlib.sha256()
-    for name, mod in model.named_modules():
-        if type(mod).__name__ in ("DistributedDataParallel", "OptimizedModule", "CheckpointWrapper"):
-            continue
-        h.update(f"m:{_canonical(name)}:{_type_name(mod)};".encode())
-    for name, p in model.named_parameters():
-        h.update(f"p:{canonical_fqn(name)}:{tuple(p.shape)};".encode())
-    for name, b in model.named_buffers():
-        h.update(f"b:{canonical_fqn(name)}:{tuple(b.shape)};".encode())
-    return h.hexdigest()[:32]
-
-
 def _modules_by_canonical_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules by their name in the unwrapped model (:func:`~sacplan.fingerprint.canonical_names`), DDP /
+    ``torch.compile`` wrappers left out (a plan's decision lands on the module they forward to)."""
+    names = canonical_names(model)
     out: dict[str, nn.Module] = {}
     for name, mod in model.named_modules():
         if _wrapped_attr(mod) is None:
-            out.setdefault(_canonical(name), mod)
+            out.setdefault(names[name], mod)
     return out
 
 
@@ -370,7 +329,7 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
     if applied_plan(model) is plan:
         return outer
     if check_fingerprint and getattr(plan, "fingerprint", None):
-        fp = _fingerprint(model)
+        fp = model_fingerprint(model)
         if fp != plan.fingerprint:
             raise PlanMismatchError(
                 f"this plan was made for another model (plan fingerprint {plan.fingerprint}, model {fp}): module "

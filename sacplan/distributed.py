@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from sacplan.errors import ConfigError
-from sacplan.fingerprint import canonical_fqn
+from sacplan.fingerprint import canonical_names, model_fingerprint
 from sacplan.stats import MemoryEvent, ModelStats, ModuleStats
 
 __all__ = ["shard_stats", "check_units", "each_block_units", "UnitShard"]
@@ -174,10 +174,8 @@ def check_units(tree: Any, ac_units: Iterable[str] | None, fsdp_units: Iterable[
 
 def _check_model(stats: ModelStats, model: nn.Module) -> None:
     """Raise :class:`ConfigError` unless ``model`` is the model ``stats`` were collected from (fingerprint)."""
-    from sacplan.apply import _fingerprint  # looks through FSDP2 / DDP / compile wrappers
-
-    if stats.fingerprint and _fingerprint(model) != stats.fingerprint:
-        theirs = {canonical_fqn(n) for n, _ in model.named_modules()}
+    if stats.fingerprint and model_fingerprint(model) != stats.fingerprint:  # looks through FSDP2 / DDP / compile
+        theirs = set(canonical_names(model).values())
         ours = {m.fqn for m in stats.modules}
         containers = {n for n in theirs if any(o.startswith(n + ".") for o in ours) and n not in ours}
         diff = sorted((ours ^ theirs) - containers - {""})[:3]

@@ -353,6 +353,8 @@ def load_plan(path: Any, model: Any = None) -> Plan:
     Args:
         path: the JSON file.
         model: optional ``nn.Module``; when given, the plan must match it (fingerprint and module names).
+            It may be wrapped (FSDP2 ``fully_shard``, DDP, ``torch.compile``, checkpoint wrappers): the model
+            inside must match, as for :func:`~sacplan.apply.apply_plan`.
 
     Raises:
         PlanError: missing/damaged file, wrong schema, newer version, or an invalid field (named).
@@ -404,9 +406,10 @@ def load_plan(path: Any, model: Any = None) -> Plan:
     except PlanError as e:
         raise PlanError(f"plan file {str(p)!r}: {e}") from e
     if model is not None:
-        from sacplan.fingerprint import canonical_fqn, model_fingerprint
+        from sacplan.fingerprint import canonical_names, model_fingerprint
 
-        names = {canonical_fqn(n) for n, _ in model.named_modules()}
+        # names and fingerprint of the model inside any FSDP2 / DDP / torch.compile / checkpoint wrappers
+        names = set(canonical_names(model).values())
         missing = [d.fqn for d in plan.decisions if d.fqn not in names]
         if missing:
             raise PlanMismatchError(f"plan file {str(p)!r} checkpoints module {missing[0]!r}, which this model does not have")

@@ -19,6 +19,7 @@ peak becomes a :class:`~sacplan.stats.MemoryEvent`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ class OpRecord:
 
     func: Any
     new_bytes: int
-    out_sids: tuple[int, ...]
+    out_sids: tuple[int, ...]  #: storage keys (see ``StepRecorder.storage_key``), not ``id()``s
     ms: float
     flops: int
     is_view: bool
@@ -124,7 +125,7 @@ class CallRecord:
     act_alloc_pre: int = 0
     act_freed_inside: int = 0
     act_kept: int = 0
-    out_sids: tuple[int, ...] = ()
+    out_sids: tuple[int, ...] = ()  #: storage keys of the output (see ``StepRecorder.storage_key``)
     out_new_bytes: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
@@ -193,14 +194,13 @@ class StepRecorder(TorchDispatchMode):
         self.bw_post_order: list[str] = []
         # forward ops
         self.ops: list[OpRecord] = []
-        self.packed_sids: set[int] = set()
+        self.packed_sids: set[int] = set()  # storage keys of the tensors autograd saved
         # totals
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
-        self._handles: list[Any] = []
+        self._undo: contextlib.ExitStack | None = None
         self._pending_bw_post: list[Callable[[], None]] = []
         self._callback_queued = False
-        self._saved_hooks: Any = None
         #: ``(fqn, exception)`` of the innermost module whose forward raised (set while the exception unwinds).
         self.failed_in: tuple[str, BaseException] | None = None
 
@@ -231,6 +231,17 @@ class StepRecorder(TorchDispatchMode):
             self.seg_peak = self.total
             self.seg_cats = tuple(self.live)
         return nbytes
+
+    def storage_key(self, st: torch.UntypedStorage) -> int | None:
+        """A key for a tracked storage that no other storage of this step shares (``None`` if untracked).
+
+        ``id(st)`` identifies a storage only while it lives: CPython hands the address of a dead storage to
+        the next object, so op outputs and saved tensors compared by ``id`` after the step matched storages
+        that merely reused a dead one's address, and ``saved_by_autograd`` / ``is_output`` varied from run to
+        run. The allocation sequence number is unique over the recorder's life.
+        """
+        info = self.storages.get(id(st))
+        return None if info is None else info[2]
 
     def _free(self, sid: int) -> None:
         info = self.storages.pop(sid, None)
@@ -296,6 +307,7 @@ class StepRecorder(TorchDispatchMode):
             if sid not in self.storages:
                 fresh += 1
                 new_bytes += self._add_storage(st, category)
+        out_keys = tuple(self.storages[sid][2] for sid in out_sids)
         ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
         if ws and self.total + ws > self.seg_peak:
             self.seg_peak = self.total + ws
@@ -335,7 +347,7 @@ class StepRecorder(TorchDispatchMode):
                         break
             for sid in out_sids:
                 self.sid_creator.setdefault(sid, g)
-            self.ops.append(OpRecord(func, new_bytes, tuple(out_sids), ms, flops, is_view, is_inplace, is_random, parent))
+            self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent))
             for rec in self.fw_stack:
                 rec.fw_ms += ms
                 rec.fw_flops += flops
@@ -345,9 +357,11 @@ class StepRecorder(TorchDispatchMode):
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.recording and torch._C._current_graph_task_id() == -1:
             try:
-                self.packed_sids.add(id(t.untyped_storage()))
+                key = self.storage_key(t.untyped_storage())
             except (RuntimeError, NotImplementedError):
-                pass
+                key = None
+            if key is not None:
+                self.packed_sids.add(key)
             n = len(self.ops)
             for rec in self.fw_stack:
                 rec.last_pack = n
@@ -406,10 +420,11 @@ class StepRecorder(TorchDispatchMode):
         sids = []
         new_out = 0
         for st in storages_of(output):
-            sid = id(st)
-            sids.append(sid)
-            info = self.storages.get(sid)
-            if info is not None and info[2] > rec.alloc_seq_pre and info[1] == ACT:
+            info = self.storages.get(id(st))
+            if info is None:
+                continue
+            sids.append(info[2])
+            if info[2] > rec.alloc_seq_pre and info[1] == ACT:
                 new_out += info[0]
         rec.out_sids = tuple(sids)
         rec.out_new_bytes = new_out
@@ -492,14 +507,19 @@ class StepRecorder(TorchDispatchMode):
 
     # ------------------------------------------------------------------ context -------------------
     def __enter__(self) -> "StepRecorder":
-        self._handles = [
-            register_module_forward_pre_hook(self._fw_pre),
-            register_module_forward_hook(self._fw_post, with_kwargs=True, always_call=True),
-        ]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._saved_hooks.__enter__()
-        self._install_resize_hook()
-        return super().__enter__()
+        # Everything global this installs is undone by ``self._undo`` (last in, first out), also when entering
+        # fails halfway: after the step every global hook dict, ``UntypedStorage.resize_`` and the saved-tensor
+        # hooks stack are as they were (tests/collect/test_global_state.py).
+        with contextlib.ExitStack() as undo:
+            undo.callback(_remove_global_hook, register_module_forward_pre_hook(self._fw_pre))
+            post = register_module_forward_hook(self._fw_post, with_kwargs=True, always_call=True)
+            undo.callback(_remove_global_hook, post)
+            undo.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            self._install_resize_hook()
+            undo.callback(self._restore_resize)
+            out = super().__enter__()
+            self._undo = undo.pop_all()
+        return out
 
     def _install_resize_hook(self) -> None:
         """See ``UntypedStorage.resize_``: FSDP2 allocates and frees unsharded parameters and its all-gather
@@ -525,17 +545,38 @@ class StepRecorder(TorchDispatchMode):
             return out
 
         self._orig_resize = orig
+        self._resize_was_own = "resize_" in vars(torch.UntypedStorage)
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
 
+    def _restore_resize(self) -> None:
+        if self._resize_was_own:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        else:  # inherited from torch._C.StorageBase: assigning it back would shadow the base class's
+            del torch.UntypedStorage.resize_
+
     def __exit__(self, *exc: Any) -> None:
+        undo, self._undo = self._undo, None
         try:
             super().__exit__(*exc)
         finally:
-            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
-            self._saved_hooks.__exit__(*exc)
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+            if undo is not None:
+                undo.close()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _remove_global_hook(handle: Any) -> None:
+    """``handle.remove()`` for a global module hook, its ``with_kwargs`` flag included.
+
+    ``register_module_forward_hook`` files the flag in ``_global_forward_hooks_with_kwargs`` but hands back a
+    handle whose ``extra_dict`` lists only ``_global_forward_hooks_always_called`` (torch 2.13), so
+    ``remove()`` left ``{id: True}`` behind. That alone keeps ``_has_any_global_hook()`` true, and every
+    ``torch.compile``d module then warns about global hooks on each call.
+    """
+    handle.remove()
+    torch.nn.modules.module._global_forward_hooks_with_kwargs.pop(handle.id, None)
 
 
 _ATTENTION_PACKETS = {

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from sacplan.apply import _fingerprint, applied_plan, apply_plan, remove_plan
+from sacplan.apply import applied_plan, apply_plan, remove_plan
 from sacplan.collect import collect
 from sacplan.devices import CPU
 from sacplan.fingerprint import canonical_fqn, model_fingerprint
@@ -130,8 +130,8 @@ def test_blocks_compiled_one_by_one(llama):
     backend = CountingBackend()
     for i, blk in enumerate(model.layers):
         model.layers[i] = torch.compile(blk, backend=backend)
-    assert model_fingerprint(model) != fp  # names now hold "layers.0._orig_mod": sacplan looks through it
-    assert _fingerprint(model) == fp
+    assert any(n.endswith("._orig_mod") for n, _ in model.named_modules())
+    assert model_fingerprint(model) == fp  # names now hold "layers.0._orig_mod": sacplan looks through it
     apply_plan(model, plan)
     f1, g1, _ = _step(model, model, args, loss_fn, backend)
     remove_plan(model)  # only the blocks' graphs are counted: compare with the same model without a plan
@@ -237,12 +237,6 @@ def test_dropout_under_compile(monkeypatch):
             traced = [c for c in calls if c][-2:]  # the joint graph's trace (the last one)
             for e, c in zip(eager_calls, traced):
                 assert _without_dropout(e) == _without_dropout(c)
-
-
-def test_fingerprint_equals_model_fingerprint_unwrapped(llama):
-    model_fn = llama[0]
-    for m in (model_fn(), get_model("cnn-tiny").build()):
-        assert _fingerprint(m) == model_fingerprint(m)
 
 
 # ------------------------------------------------------------------------------------ FSDP2 + compile
