@@ -4,6 +4,10 @@ Flow (one direction): ``collect`` (fake training step → :class:`ModelStats`) �
 ``solve`` / ``sac_milp`` (MILP) → :class:`Plan` → ``apply_plan`` / ``Plan.save`` / ``validate``.
 """
 
+import importlib
+import sys
+import types
+
 from sacplan.devices import DeviceSpec, get_device, list_devices
 from sacplan.errors import (
     BudgetError,
@@ -24,32 +28,73 @@ from sacplan.units import parse_budget
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf until needed)
-    if name == "collect":
+class _Package(types.ModuleType):
+    """``sacplan.collect``, ``.solve``, ``.validate`` and ``.sweep`` are the functions, loaded lazily (keeps
+    ``import sacplan`` light: no PuLP until needed).
+
+    They share their names with subpackages, and importing a submodule sets the parent's attribute to the
+    module (the first ``sacplan.collect(...)`` imported ``sacplan.collect``, and the second call found a module).
+    Properties on the package's class take precedence over its ``__dict__``, and their setters absorb what
+    the import system sets. The submodules stay importable with ``from sacplan.collect import ...`` and
+    ``importlib.import_module``; ``import sacplan.collect.tracker as t`` does not work (it walks attributes).
+    """
+
+    @property
+    def collect(self):  # type: ignore[override]
         from sacplan.collect import collect
 
         return collect
-    if name in ("solve", "sac_milp", "min_feasible_budget", "baseline_peak"):
-        import sacplan.solve as s
 
-        return getattr(s, name)
-    if name in ("Plan", "ModuleDecision", "load_plan"):
-        import sacplan.plan as p
+    @collect.setter
+    def collect(self, value) -> None:
+        pass
 
-        return getattr(p, name)
-    if name in ("apply_plan", "remove_plan"):
-        import sacplan.apply as a
+    @property
+    def solve(self):
+        from sacplan.solve import solve
 
-        return getattr(a, name)
-    if name == "validate":
+        return solve
+
+    @solve.setter
+    def solve(self, value) -> None:
+        pass
+
+    @property
+    def validate(self):
         from sacplan.validate import validate
 
         return validate
-    if name == "sweep":
+
+    @validate.setter
+    def validate(self, value) -> None:
+        pass
+
+    @property
+    def sweep(self):
         from sacplan.sweep import sweep
 
         return sweep
+
+    @sweep.setter
+    def sweep(self, value) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf until needed)
+    for module, names in _LAZY.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'sacplan' has no attribute {name!r}")
+
+
+_LAZY = {
+    "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak"),
+    "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
+    "sacplan.apply": ("apply_plan", "remove_plan"),
+}
 
 
 __all__ = [
