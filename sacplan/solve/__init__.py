@@ -5,6 +5,7 @@ the formulation.
 """
 
 from sacplan.solve.backends import SOLVERS, MilpModel, SolveResult, solve_model
+from sacplan.solve.certify import Certificate, certify, every_unit
 from sacplan.solve.compat import sac_milp
 from sacplan.solve.milp import (
     SacProblem,
@@ -23,6 +24,9 @@ __all__ = [
     "OpSelection",
     "min_feasible_budget",
     "recompute_lower_bound",
+    "certify",
+    "Certificate",
+    "every_unit",
     "module_options",
     "ModuleOptions",
     "baseline_peak",

@@ -277,6 +277,8 @@ class ModuleOptions:
 
 #: Pareto points the exact front may hold before it is thinned (see :func:`pareto_front`)
 FRONT_CAP = 20000
+#: Free op groups above which :func:`module_options` samples knapsacks instead (the DP costs groups × front)
+DP_MAX_GROUPS = 256
 
 
 def pareto_front(
@@ -325,9 +327,11 @@ def module_options(
     ops: Sequence[OpStat],
     max_discard_bytes: int,
     full_recompute_ms: float,
+    ratios: Sequence[float] = (),
     *,
     recompute_stop: int | None = None,
     max_options: int | None = 16,
+    solver: str = "cbc",
 ) -> ModuleOptions:
     """Options of one module: its exact Pareto front of save lists (:func:`pareto_front`), at most ``max_options``.
 
@@ -337,6 +341,10 @@ def module_options(
     whether that is every Pareto-optimal save list) interior options are dropped one at a time, the one whose
     removal costs least first (the next kept option's extra cost times the discard span it covers), vertices
     of the front's lower convex hull last (they are what the LP relaxation leans on).
+
+    A module with more than :data:`DP_MAX_GROUPS` free op groups (a stage holding many blocks) is not given the
+    dynamic programme when ``ratios`` are passed: its options are the exact knapsacks of :func:`select_ops` at
+    those discard ratios (the trade-off's greedy vertices), and ``complete`` is False.
     """
     ops = tuple(ops)
     A = int(max_discard_bytes)
@@ -344,17 +352,28 @@ def module_options(
     stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
     pts: list[tuple[float, float, OpSelection | None]] = [(1.0, 1.0, None)]
     complete = True
+    sels: list[OpSelection] = []
     if A > 0 and R > 0:
-        front, free, always, complete = pareto_front(ops, recompute_stop=stop)
-        for _, _, mask in front:
-            saved = set(always)
-            for i, g in enumerate(free):
-                if mask >> i & 1:
-                    saved.update(g.members)
-            sel = _result(ops, saved, stop, False)
-            d = A - sel.saved_bytes
-            if d >= 0:
-                pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), sel))
+        n_free = sum(1 for g in _groups(ops, False, stop) if g.fixed is None and g.ms > 0.0 and g.bytes > 0)
+        if n_free <= DP_MAX_GROUPS or not ratios:
+            front, free, always, complete = pareto_front(ops, recompute_stop=stop)
+            for _, _, mask in front:
+                saved = set(always)
+                for i, g in enumerate(free):
+                    if mask >> i & 1:
+                        saved.update(g.members)
+                sels.append(_result(ops, saved, stop, False))
+        else:  # a large module (a stage of many blocks): exact knapsacks at the sampled ratios only
+            complete = False
+            for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
+                try:
+                    sels.append(select_ops(ops, max(0, min(A, int(round(A * (1.0 - r))))), solver=solver, recompute_stop=stop))
+                except InfeasibleBudgetError:
+                    continue
+    for sel in sels:
+        d = A - sel.saved_bytes
+        if d >= 0:
+            pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), sel))
     # Pareto front: by ratio descending, keep strictly cheaper options
     pts.sort(key=lambda p: (-p[0], p[1], p[2] is not None))
     kept: list[tuple[float, float, OpSelection | None]] = []

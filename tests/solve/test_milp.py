@@ -65,10 +65,17 @@ def test_min_feasible_is_computed_and_exact():
 
 
 def test_no_candidates_means_infeasible_below_baseline():
-    # without ac_units the blocks are leaves: nothing can be checkpointed
+    # no unit allowed: nothing can be checkpointed, the minimum is the baseline
     with pytest.raises(InfeasibleBudgetError) as ei:
-        solve(hand_tree(), 9)
+        solve(hand_tree(), 9, ac_units=[])
     assert ei.value.min_feasible_bytes == 10 * GiB
+
+
+def test_leaves_are_candidates_by_default():
+    # the blocks of the hand tree are leaves: by default they may be checkpointed (the root may not)
+    plan = solve(hand_tree(), 9)
+    assert plan.decisions and all(d.fqn in UNITS for d in plan.decisions)
+    assert plan.recompute_ms == pytest.approx(solve(hand_tree(), 9, ac_units=UNITS).recompute_ms)
 
 
 @pytest.mark.parametrize("budget", [10, "10GiB", 10 * GiB, 12.5, "100%"])
@@ -129,13 +136,18 @@ def test_nested_checkpointing_never_chosen():
     tree = _nested_tree()
     base = baseline_peak(tree)
     problem = SacProblem(tree)
-    assert {c.fqn for c in problem.candidates} == {"outer", "outer.inner_a", "outer.inner_b"}
+    # every module with discardable activations, leaves included; the root only when named
+    assert {c.fqn for c in problem.candidates} == {
+        "outer", "outer.inner_a", "outer.inner_b", "outer.inner_a.lin", "outer.inner_b.lin"
+    }
     lo = min_feasible_budget(tree)
     for frac in (0.95, 0.8, 0.6, 0.4, 0.0):
         budget = max(lo, int(base * frac))
         plan = solve(tree, budget)
         chosen = set(plan.decisions_dict())
-        assert not ("outer" in chosen and chosen & {"outer.inner_a", "outer.inner_b"}), chosen
+        assert not ("outer" in chosen and chosen & {"outer.inner_a", "outer.inner_b", "outer.inner_a.lin", "outer.inner_b.lin"}), chosen
+        assert not ("outer.inner_a" in chosen and "outer.inner_a.lin" in chosen), chosen
+        assert not ("outer.inner_b" in chosen and "outer.inner_b.lin" in chosen), chosen
         assert plan.predicted_peak_bytes <= budget
 
 
