@@ -328,6 +328,7 @@ def measure(
     *,
     compile_budget: float | None = None,
     seed: int = 0,
+    track: bool = False,
 ) -> dict[str, Any]:
     """Real CPU training step (forward + backward) of ``model_fn()`` with ``plan_or_none`` applied, or compiled
     with ``torch.compile(backend=aot_eager, min-cut partitioner)`` at ``activation_memory_budget=compile_budget``.
@@ -342,7 +343,9 @@ def measure(
       saved inside a checkpoint region are packed by checkpoint's own hooks and are not seen here);
     * ``recompute_flops``: ``FlopCounterMode`` FLOPs of the step minus those of the same step without
       checkpointing (eager no-AC; for compile, compile at budget 1.0);
-    * ``step_ms``: wall time of the profiled step; ``flops``: the step's FLOPs.
+    * ``step_ms``: wall time of the profiled step; ``flops``: the step's FLOPs;
+    * ``tracker_peak_bytes`` (``track=True``, eager only, else None): sacplan's tracker run on the real tensors
+      of one more step, an independent cross-check of the profiler's peak.
     """
     global _FLOP_SINK
     from sacplan.apply import apply_plan
@@ -402,6 +405,11 @@ def measure(
         t0 = time.perf_counter()
         peak, fw_delta = _profiled(lambda: step(hooks=True), live)
         step_ms = (time.perf_counter() - t0) * 1e3
+        tracker_peak = None
+        if track and compile_budget is None:
+            from sacplan.validate import _tracker_peak
+
+            tracker_peak = int(_tracker_peak(model, args, step, None))
         state_keys = {_storage_key(t) for t in _state_tensors(model, None, args)}
         packed_bytes = sum(v for k, v in packed.items() if k not in state_keys)
     base_key = (model_fn, id(inputs_fn), "compile" if compile_budget is not None else "eager")
@@ -424,6 +432,7 @@ def measure(
         "recompute_flops": int(flops - base),
         "flops": int(flops),
         "step_ms": float(step_ms),
+        "tracker_peak_bytes": tracker_peak,
     }
 
 
