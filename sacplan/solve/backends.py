@@ -422,6 +422,38 @@ def _solve_cbc(
 # ---------------------------------------------------------------------------------------------------------
 # HiGHS through highspy
 # ---------------------------------------------------------------------------------------------------------
+_HIGHS_STARTED = False
+
+
+def _new_highs() -> Any:
+    """A ``highspy.Highs``; the first of a process is built with file descriptor 1 pointed at /dev/null, since
+    HiGHS prints its banner from C++ on first construction, before ``output_flag`` can be set (it would land
+    in the middle of the CLI's plan, or in a user's own output)."""
+    global _HIGHS_STARTED
+    import highspy
+
+    if _HIGHS_STARTED:
+        return highspy.Highs()
+    import sys
+
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real stdout (embedded interpreters): let it print
+        _HIGHS_STARTED = True
+        return highspy.Highs()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    _HIGHS_STARTED = True
+    return h
+
+
 def _solve_highs(
     model: MilpModel,
     time_limit_s: float | None,
@@ -434,7 +466,7 @@ def _solve_highs(
 ) -> SolveResult:
     import highspy
 
-    h = highspy.Highs()
+    h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 1)
     h.setOptionValue("threads", int(threads) if threads else 1)
