@@ -239,11 +239,16 @@ def plot(path: str) -> None:
     markers = "osD^v<>pPX*hH+x"
     for ax, (model, pts) in zip(axes, POINTS.items()):
         names = list(dict.fromkeys(p[0] for p in pts))
-        for i, nm in enumerate(names):
+        others = [nm for nm in names if not nm.startswith("sacplan")]
+        for nm in names:
             xs = [p[1] for p in pts if p[0] == nm]
             ys = [p[2] for p in pts if p[0] == nm]
-            style = "-" if nm == "sacplan ladder" else ""
-            ax.plot(xs, ys, style + markers[i % len(markers)], label=nm, markersize=8 if nm != "sacplan ladder" else 5)
+            if nm.startswith("sacplan"):  # sacplan in black: a line for the ladder, stars at equal peaks
+                ladder = nm == "sacplan ladder"
+                ax.plot(xs, ys, "-o" if ladder else "*", color="black", label=nm, markersize=4 if ladder else 12, zorder=3)
+            else:
+                i = others.index(nm)
+                ax.plot(xs, ys, markers[i % len(markers)], color=f"C{i % 10}", label=nm, markersize=8)
         fake = "fake" in model
         ax.set_xlabel("peak GiB (predicted)" if fake else "measured peak MB")
         ax.set_ylabel("recompute ms (predicted, H100)" if fake else "recompute GFLOP (measured)")

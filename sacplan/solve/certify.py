@@ -60,7 +60,12 @@ class Certificate:
             return f" ({v / reference_ms:.2%})"
 
         best = "none found" if self.best_ms is None else f"{self.best_ms:.6g} ms{pct(self.best_ms)}"
-        kind = "proven optimal over every plan" if self.proven else f"not proven: {self.status}"
+        if self.proven:
+            kind = "proven optimal over every plan"
+        elif self.status == "optimal":
+            kind = "optimal, but a large module's save lists were sampled: not a proof"
+        else:
+            kind = f"not proven: {self.status}"
         return (
             f"best plan {best} [{kind}; {self.units} units, whole save-list fronts]; "
             f"no plan below {self.lower_bound_ms:.6g} ms{pct(self.lower_bound_ms)}"
