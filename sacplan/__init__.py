@@ -28,6 +28,19 @@ from sacplan.units import parse_budget
 __version__ = "0.1.0"
 
 
+def _lazy_function(module: str, name: str) -> property:
+    """A property returning ``module.name``, imported on first use; its setter absorbs the import system's
+    ``setattr(sacplan, <submodule name>, <submodule>)`` (see :class:`_Package`)."""
+
+    def get(self):
+        return getattr(importlib.import_module(module), name)
+
+    def absorb(self, value) -> None:
+        pass
+
+    return property(get, absorb)
+
+
 class _Package(types.ModuleType):
     """``sacplan.collect``, ``.solve``, ``.validate`` and ``.sweep`` are the functions, loaded lazily (keeps
     ``import sacplan`` light: no PuLP until needed).
@@ -39,45 +52,10 @@ class _Package(types.ModuleType):
     ``importlib.import_module``; ``import sacplan.collect.tracker as t`` does not work (it walks attributes).
     """
 
-    @property
-    def collect(self):  # type: ignore[override]
-        from sacplan.collect import collect
-
-        return collect
-
-    @collect.setter
-    def collect(self, value) -> None:
-        pass
-
-    @property
-    def solve(self):
-        from sacplan.solve import solve
-
-        return solve
-
-    @solve.setter
-    def solve(self, value) -> None:
-        pass
-
-    @property
-    def validate(self):
-        from sacplan.validate import validate
-
-        return validate
-
-    @validate.setter
-    def validate(self, value) -> None:
-        pass
-
-    @property
-    def sweep(self):
-        from sacplan.sweep import sweep
-
-        return sweep
-
-    @sweep.setter
-    def sweep(self, value) -> None:
-        pass
+    collect = _lazy_function("sacplan.collect", "collect")
+    solve = _lazy_function("sacplan.solve", "solve")
+    validate = _lazy_function("sacplan.validate", "validate")
+    sweep = _lazy_function("sacplan.sweep", "sweep")
 
 
 sys.modules[__name__].__class__ = _Package
@@ -91,7 +69,7 @@ def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf u
 
 
 _LAZY = {
-    "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak"),
+    "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),
 }
@@ -101,6 +79,6 @@ __all__ = [
     "BudgetError", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
     "MemoryEvent", "ModelStats", "ModuleStats", "ModuleTree", "OpStat", "PlanError", "PlanMismatchError",
     "SacplanError", "SolverError", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
-    "apply_plan", "baseline_peak", "collect", "get_device", "list_devices", "load_plan", "min_feasible_budget",
-    "parse_budget", "remove_plan", "sac_milp", "solve", "sweep", "validate",
+    "apply_plan", "baseline_peak", "certify", "collect", "get_device", "list_devices", "load_plan", "min_feasible_budget",
+    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "solve", "sweep", "validate",
 ]

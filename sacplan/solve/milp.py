@@ -935,11 +935,13 @@ class SacProblem:
                             best = (gain, s, int(ups[j]))
                 if best[1] >= 0:
                     _, s, t = best
-                    for u, k in ((s, lvl[s] - 1), (t, lvl[t] + 1)):
-                        m = m - C[:, u] * (ratio(u, k) - r[u])
-                        r[u], lvl[u] = ratio(u, k), k
-                    moved = bool(np.max(m) <= lim)
-                    assert moved, "pair move broke the budget"  # linear model: cannot happen
+                    moves = ((s, lvl[s] - 1), (t, lvl[t] + 1))
+                    m2 = m - sum(C[:, u] * (ratio(u, k) - r[u]) for u, k in moves)
+                    moved = bool(np.max(m2) <= lim)  # exact re-check (the pair's screen was per binding event)
+                    if moved:
+                        m = m2
+                        for u, k in moves:
+                            r[u], lvl[u] = ratio(u, k), k
             if not moved:
                 break
         return y, r

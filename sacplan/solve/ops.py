@@ -128,6 +128,25 @@ def _groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[
     return out
 
 
+def _split(
+    ops: Sequence[OpStat], force_store_random: bool, stop: int
+) -> tuple[list[_Group], list[_Group], list[_Group]]:
+    """The groups as every selection treats them: ``(always saved, free to choose, never saved)``.
+
+    Always saved: forced ones (in-place on outside inputs, random with ``force_store_random``) and those that
+    cost no bytes yet save time. Never saved: views (and what is tied to them) and groups that save no time.
+    Free: the rest — the knapsack items."""
+    always, free, never = [], [], []
+    for g in _groups(ops, force_store_random, stop):
+        if g.fixed == 1 or (g.fixed is None and g.bytes == 0 and g.ms > 0.0):
+            always.append(g)
+        elif g.fixed is None and g.ms > 0.0:
+            free.append(g)
+        else:
+            never.append(g)
+    return always, free, never
+
+
 def _result(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: bool) -> OpSelection:
     saved = tuple(sorted(ops[p].index for p in saved_pos))
     sb = sum(max(0, int(ops[p].save_cost_bytes)) for p in saved_pos)
@@ -179,21 +198,9 @@ def select_ops(
 
 
 def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver: str, stop: int) -> OpSelection:
-    groups = _groups(ops, force_store_random, stop)
-    saved: set[int] = set()
-    used = 0
-    free: list[_Group] = []
-    for g in groups:
-        if g.fixed == 1:
-            saved.update(g.members)
-            used += g.bytes
-        elif g.fixed is None:
-            if g.ms <= 0.0:
-                continue  # saving it gains nothing
-            if g.bytes == 0:
-                saved.update(g.members)  # free to save
-                continue
-            free.append(g)
+    always, free, _ = _split(ops, force_store_random, stop)
+    saved = {p for g in always for p in g.members}
+    used = sum(g.bytes for g in always)
     if used > cap:
         raise InfeasibleBudgetError(
             cap,
@@ -295,13 +302,8 @@ def pareto_front(
     """
     ops = tuple(ops)
     stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
-    always: set[int] = set()
-    free: list[_Group] = []
-    for g in _groups(ops, False, stop):
-        if g.fixed == 1 or (g.fixed is None and g.bytes == 0 and g.ms > 0.0):
-            always.update(g.members)
-        elif g.fixed is None and g.ms > 0.0:
-            free.append(g)
+    saved_groups, free, _ = _split(ops, False, stop)
+    always = {p for g in saved_groups for p in g.members}
     front: list[tuple[int, float, int]] = [(0, 0.0, 0)]
     complete = True
     for i, g in enumerate(free):
@@ -354,8 +356,7 @@ def module_options(
     complete = True
     sels: list[OpSelection] = []
     if A > 0 and R > 0:
-        n_free = sum(1 for g in _groups(ops, False, stop) if g.fixed is None and g.ms > 0.0 and g.bytes > 0)
-        if n_free <= DP_MAX_GROUPS or not ratios:
+        if len(_split(ops, False, stop)[1]) <= DP_MAX_GROUPS or not ratios:
             front, free, always, complete = pareto_front(ops, recompute_stop=stop)
             for _, _, mask in front:
                 saved = set(always)
@@ -432,16 +433,9 @@ def fractional_lines(
     R = float(full_recompute_ms)
     ops = tuple(ops)
     stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
-    forced = 0
-    base_ms = 0.0
-    free: list[_Group] = []
-    for g in _groups(ops, False, stop):
-        if g.fixed == 1:
-            forced += g.bytes
-        elif g.fixed == 0 or g.ms <= 0.0:
-            base_ms += g.ms  # always recomputed (views, or nothing to gain by saving)
-        elif g.bytes > 0:
-            free.append(g)
+    always, free, never = _split(ops, False, stop)
+    forced = sum(g.bytes for g in always)
+    base_ms = sum(g.ms for g in never)  # always recomputed (views, or nothing to gain by saving)
     # start: every free group saved; then give them up least valuable (ms per byte) first
     free.sort(key=lambda g: (g.ms / g.bytes, g.bytes))
     saved = forced + sum(g.bytes for g in free)
