@@ -13,7 +13,7 @@ import sacplan
 assert callable(sacplan.collect) and callable(sacplan.collect)  # twice: the first call imports sacplan.collect
 import sacplan.solve.milp, sacplan.sweep, sacplan.validate, sacplan.collect.tracker  # submodules set attributes
 for name in ("collect", "solve", "validate", "sweep", "sac_milp", "min_feasible_budget", "baseline_peak",
-             "load_plan", "apply_plan", "remove_plan"):
+             "load_plan", "apply_plan", "remove_plan", "certify", "recompute_lower_bound"):
     f = getattr(sacplan, name)
     assert callable(f) and not isinstance(f, type(sacplan)), (name, f)
 from sacplan.solve import solve
