@@ -23,6 +23,7 @@ error. Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -319,12 +320,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
     plan = solve(tree, budget, solver=args.solver, time_limit_s=args.time_limit)
+    cert = None
+    if args.certify:
+        from sacplan.solve import certify
+
+        if not args.quiet:
+            print("sacplan: certifying (every module a unit, whole save-list fronts)", file=sys.stderr, flush=True)
+        cert = certify(tree, plan.budget_bytes, solver=args.solver, time_limit_s=args.time_limit or 120.0)
     if args.output:
         plan.save(args.output)
     if args.json:
-        _dump(plan.to_dict())
+        d = plan.to_dict()
+        if cert is not None:
+            d["certificate"] = dataclasses.asdict(cert)
+        _dump(d)
     else:
         print(format_plan(plan, extra=[_describe(knobs)] + _collective_lines(tree)))
+        if cert is not None:
+            print(f"\nbest possible at this budget: {cert.summary(reference_ms=plan.recompute_ms or None)}"
+                  + (" (percentages: of this plan's recompute)" if plan.recompute_ms else ""))
         if args.output:
             print(f"\nplan written to {args.output}")
     return EXIT_OK
@@ -464,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-GPU memory budget: 60GiB, 64GB, 60 (GiB) or 80%% of the device (default 80%%)")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="write the plan file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--certify", action="store_true",
+                   help="also solve over every plan (every module a unit, whole save-list fronts) and print the "
+                        "best possible recompute and a lower bound beside this plan's")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("sweep", help="recompute time versus budget (Pareto front)")

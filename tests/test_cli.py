@@ -11,7 +11,7 @@ import pytest
 
 from sacplan.cli import main
 
-TINY = ["llama-tiny", "-q"]  # bf16 on H100: no-AC peak ~1.97 MiB, minimum feasible ~1.41 MiB
+TINY = ["llama-tiny", "-q"]  # bf16 on H100: no-AC peak ~1.97 MiB, minimum feasible ~1.25 MiB
 
 
 
@@ -171,3 +171,16 @@ def test_python_m_sacplan_devices():
     r = subprocess.run([sys.executable, "-m", "sacplan", "devices"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "H100-SXM" in r.stdout
+
+
+def test_plan_certify(capsys):
+    """--certify prints, beside the plan, the best recompute any plan can have at the budget and a lower bound."""
+    assert main(["plan", *TINY, "--budget", "1.6MiB", "--certify"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("best possible at this budget:"))
+    assert "proven optimal over every plan" in line and "no plan below" in line
+    assert main(["plan", *TINY, "--budget", "1.6MiB", "--certify", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    cert = d["certificate"]
+    assert cert["proven"] and cert["lower_bound_ms"] <= cert["best_ms"] <= d["recompute_ms"] + 1e-12
+    assert cert["budget_bytes"] == d["budget_bytes"]
