@@ -460,7 +460,8 @@ def _model_args(p: argparse.ArgumentParser, *, optional_model: bool) -> None:
     p.add_argument("--fsdp-units", default=None, metavar="FQN,FQN",
                    help="FSDP2 units (comma-separated module names; default: each repeated block + the root)")
     p.add_argument("--ddp", action="store_true", help="DDP replicas with gradient buckets instead of FSDP2")
-    p.add_argument("--solver", choices=("cbc", "highs"), default="cbc", help="MILP back-end (default cbc)")
+    p.add_argument("--solver", choices=("auto", "cbc", "highs"), default="auto",
+                   help="MILP back-end (default auto: HiGHS if highspy is installed, else CBC)")
     p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="solver time limit in seconds")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 

@@ -193,7 +193,7 @@ def sweep(
     *,
     points: int = 8,
     world_size: int | None = None,
-    solver: str = "cbc",
+    solver: str = "auto",
     time_limit_s: float | None = None,
     ac_units: list[str] | None = None,
     fsdp_units: list[str] | None = None,

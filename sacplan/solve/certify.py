@@ -77,7 +77,7 @@ def certify(
     budget: int | float | str,
     *,
     units: list[str] | None = None,
-    solver: str = "cbc",
+    solver: str = "auto",
     time_limit_s: float | None = 120.0,
 ) -> Certificate:
     """The best plan over every plan at ``budget`` (proven when tractable) and a lower bound over every plan.

@@ -50,7 +50,7 @@ def sac_milp(
     ac_units: Sequence[str] | None = None,
     fsdp_units: Sequence[str] | None = None,
     *,
-    solver: str = "cbc",
+    solver: str = "auto",
     gap_rel: float = 1e-4,
     time_limit_s: float | None = None,
 ) -> tuple[dict[str, float], float, int]:

@@ -111,7 +111,7 @@ class SacProblem:
         fsdp_units: Sequence[str] | None = None,
         exact: bool = False,
         max_options: int | None = 16,
-        solver: str = "cbc",
+        solver: str = "auto",
         relax: bool = False,
     ) -> None:
         stats = tree.stats
@@ -912,36 +912,41 @@ class SacProblem:
                 m = m - C[:, s] * (nr - r[s]) + Y[:, s] * (ny - y[s])
                 r[s], y[s], lvl[s] = nr, ny, best_k
                 continue
-            # pair moves: s one level down, t one level up (t already checkpointed, below its last option)
+            # pair moves: s one to three levels down, t (checkpointed) up by as many levels as that needs
             moved = False
-            ups = np.array([t for t in on if lvl[t] + 1 < len(opts[t].ratio)])
-            if len(ups):
-                up_dr = np.array([opts[t].ratio[lvl[t] + 1] - r[t] for t in ups])
-                up_cost = np.array([qcost(t, lvl[t] + 1) - qcost(t, lvl[t]) for t in ups])
-                best = (1e-9, -1, -1)
-                for i in np.argsort(-save):
-                    s = on[i]
-                    if down[i] < 0 or save[i] <= best[0]:
+            best = (1e-9, -1, -1, -1, -1)  # gain, s, s level, t, t level
+            ratios_of = [np.asarray(o.ratio) for o in opts]
+            for s_ in on[np.argsort(-save)]:
+                for k in range(lvl[s_] - 1, max(-1, lvl[s_] - 4), -1):
+                    gain_s = qcost(s_, lvl[s_]) - qcost(s_, k)
+                    if gain_s <= best[0]:
                         continue
-                    excess = new[:, i] - lim
+                    excess = m - C[:, s_] * (ratio(s_, k) - r[s_]) - lim
                     bind = np.nonzero(excess > 0)[0]
-                    fix = np.all(C[np.ix_(bind, ups)] * up_dr[None, :] >= excess[bind][:, None], axis=0)
-                    fix &= ups != s
-                    if fix.any():
-                        j = int(np.argmin(np.where(fix, up_cost, np.inf)))
-                        gain = save[i] - up_cost[j]
+                    if not len(bind):
+                        continue  # a single move, taken above when it saved most
+                    ts = on[on != s_]
+                    cb = C[np.ix_(bind, ts)]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        need = np.where(cb > 0, excess[bind][:, None] / cb, np.inf).max(axis=0)  # Δr per t
+                    for t, dr in zip(ts, need):
+                        if not np.isfinite(dr):
+                            continue
+                        kt = int(np.searchsorted(ratios_of[t], r[t] + dr - 1e-12))
+                        if kt >= len(ratios_of[t]):
+                            continue
+                        gain = gain_s - (qcost(t, kt) - qcost(t, lvl[t]))
                         if gain > best[0]:
-                            # exact check of the pair (the two changes interact at no event: both linear)
-                            best = (gain, s, int(ups[j]))
-                if best[1] >= 0:
-                    _, s, t = best
-                    moves = ((s, lvl[s] - 1), (t, lvl[t] + 1))
-                    m2 = m - sum(C[:, u] * (ratio(u, k) - r[u]) for u, k in moves)
-                    moved = bool(np.max(m2) <= lim)  # exact re-check (the pair's screen was per binding event)
-                    if moved:
-                        m = m2
-                        for u, k in moves:
-                            r[u], lvl[u] = ratio(u, k), k
+                            best = (gain, int(s_), k, int(t), kt)
+            if best[1] >= 0:
+                _, s_, k, t, kt = best
+                moves = ((s_, k), (t, kt))
+                m2 = m - sum(C[:, u] * (ratio(u, kk) - r[u]) for u, kk in moves)
+                moved = bool(np.max(m2) <= lim)  # exact re-check of the pair
+                if moved:
+                    m = m2
+                    for u, kk in moves:
+                        r[u], lvl[u] = ratio(u, kk), kk
             if not moved:
                 break
         return y, r
@@ -1077,7 +1082,7 @@ def min_feasible_budget(
     world_size: int | None = None,
     ac_units: Sequence[str] | None = None,
     fsdp_units: Sequence[str] | None = None,
-    solver: str = "cbc",
+    solver: str = "auto",
     threads: int | None = None,
 ) -> int:
     """Smallest budget (bytes) any plan meets: the optimum of the MILP minimising the predicted peak."""
@@ -1093,7 +1098,7 @@ def recompute_lower_bound(
     world_size: int | None = None,
     ac_units: Sequence[str] | None = None,
     fsdp_units: Sequence[str] | None = None,
-    solver: str = "cbc",
+    solver: str = "auto",
     threads: int | None = None,
     time_limit_s: float | None = 60.0,
 ) -> float:
@@ -1139,7 +1144,7 @@ def solve(
     world_size: int | None = None,
     ac_units: list[str] | None = None,
     fsdp_units: list[str] | None = None,
-    solver: str = "cbc",
+    solver: str = "auto",
     time_limit_s: float | None = None,
     gap_rel: float = 1e-4,
     op_level: bool = True,
@@ -1227,7 +1232,8 @@ def solve(
         ac_units: only these modules may be checkpointed (None: every module with discardable activations,
             leaves included, except the root; the root too when named).
         fsdp_units: FSDP units; their ancestors are never checkpoint units.
-        solver: ``"cbc"`` (PuLP's bundled CBC) or ``"highs"`` (highspy).
+        solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` (PuLP's bundled CBC) or
+            ``"highs"`` (highspy).
         time_limit_s: stop the search after this long and return the best plan with its gap (a warning).
         gap_rel: relative optimality gap to prove.
         op_level: realise ratios with op-level selection (else ratio-only decisions).
