@@ -96,8 +96,6 @@ def certify(
     units = every_unit(tree) if units is None else list(units)
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
     lb = recompute_lower_bound(tree, budget_bytes, ac_units=units, solver=solver)
-    if lb <= 0.0:
-        return Certificate(budget_bytes, 0.0, 0.0, True, "optimal", len(units))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TimeLimitWarning)
         warnings.simplefilter("ignore", UserWarning)  # units without activations are skipped, by design
@@ -105,5 +103,7 @@ def certify(
             plan = solve(tree, budget_bytes, ac_units=units, max_options=None, solver=solver, time_limit_s=time_limit_s)
         except SolverError as e:  # e.g. the time limit before any plan
             return Certificate(budget_bytes, lb, None, False, f"not run: {e}", len(units))
+    if plan.status == "not needed":  # the budget fits without checkpointing
+        return Certificate(budget_bytes, 0.0, 0.0, True, "optimal", len(units))
     proven = plan.status == "optimal" and bool(plan.meta.get("options_complete")) and math.isfinite(plan.objective_ms)
     return Certificate(budget_bytes, lb, float(plan.recompute_ms), proven, plan.status, len(units))
