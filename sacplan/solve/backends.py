@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -445,8 +446,6 @@ def _new_highs() -> Any:
 
     if _HIGHS_STARTED:
         return highspy.Highs()
-    import sys
-
     try:
         sys.stdout.flush()
         saved = os.dup(1)

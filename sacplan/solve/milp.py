@@ -866,9 +866,9 @@ class SacProblem:
         """Local descent over option levels of a feasible exact-mode decision (a better incumbent).
 
         Moves, best saving first, each checked exactly in bytes: a checkpointed module one option cheaper, or
-        not checkpointed at all; and where that alone does not fit, one option cheaper for it with one option
-        more for another module, when the pair saves time. Stops when no move saves or after ``time_limit_s``.
-        Each check is a matrix-vector step on :meth:`linear_terms`.
+        not checkpointed at all; and where that alone does not fit, one to three options cheaper for it with as
+        many options more for another checkpointed module as that needs, when the pair saves time. Stops when
+        no move saves or after ``time_limit_s``. Each check is a matrix-vector step on :meth:`linear_terms`.
         """
         t0 = time.perf_counter()
         C, Y = self.linear_terms()
@@ -881,6 +881,7 @@ class SacProblem:
         lvl = np.array([opts[s].level_for(float(r[s])) if y[s] > 0.5 else -1 for s in range(nc)])
         ratio = lambda s, k: 0.0 if k < 0 else opts[s].ratio[k]  # noqa: E731
         qcost = lambda s, k: 0.0 if k < 0 else w[s] * opts[s].frac[k]  # noqa: E731
+        ratios_of = [np.asarray(o.ratio) for o in opts]
         r = np.array([ratio(s, lvl[s]) for s in range(nc)])
         m = self.ev_base - C @ r + Y @ y
         lim = budget + 1e-6
@@ -915,7 +916,6 @@ class SacProblem:
             # pair moves: s one to three levels down, t (checkpointed) up by as many levels as that needs
             moved = False
             best = (1e-9, -1, -1, -1, -1)  # gain, s, s level, t, t level
-            ratios_of = [np.asarray(o.ratio) for o in opts]
             for s_ in on[np.argsort(-save)]:
                 for k in range(lvl[s_] - 1, max(-1, lvl[s_] - 4), -1):
                     gain_s = qcost(s_, lvl[s_]) - qcost(s_, k)
@@ -1307,7 +1307,7 @@ def solve(
     t_solve = time.perf_counter()
     remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
     counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
-    res, cuts = _solve_budget_model(
+    res, cuts, by_lp = _solve_budget_model(
         problem, model, idx, warm, counts, float(budget_bytes), solver, gap_rel, lp_bound, remaining, threads
     )
     solve_s = time.perf_counter() - t_solve
@@ -1321,7 +1321,7 @@ def solve(
         "raw_status": res.raw_status,
         "lp_bound_ms": lp_bound,
         # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
-        "proved_by": "lp" if res.raw_status.startswith("optimal (incumbent") else solver,
+        "proved_by": "lp" if by_lp else solver,
         # solutions the solver accepted within its tolerance that exceed the budget in exact bytes, cut off
         "tolerance_cuts": cuts,
         "op_level": op_level,
@@ -1413,8 +1413,10 @@ def _solve_budget_model(
     lp_bound: float | None,
     time_limit_s: float | None,
     threads: int | None,
-) -> tuple[SolveResult, int]:
-    """Solve the budget MILP; in exact mode, also to exactness in bytes. Returns (result, cuts added).
+) -> tuple[SolveResult, int, bool]:
+    """Solve the budget MILP; in exact mode, also to exactness in bytes.
+
+    Returns (result, cuts added, whether the LP bounds alone proved it: :func:`prove_by_lp_branching`).
 
     A solver accepts rows violated by up to its feasibility tolerance (~1e-9 GiB, about a byte here), so at a
     budget met with equality it may return a plan a few bytes over. In exact mode every column is fixed by
@@ -1431,10 +1433,11 @@ def _solve_budget_model(
     t0 = time.perf_counter()
     while True:
         remaining = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - t0))
-        res = prove_by_lp_branching(
+        proven = prove_by_lp_branching(
             model, warm, counts, gap_rel=gap_rel, lp_solver=_lp_solver(solver), root_bound=lp_bound if not cuts else None,
             solver_name=solver,
-        ) or solve_model(
+        )
+        res = proven or solve_model(
             model,
             solver,
             time_limit_s=remaining,
@@ -1447,10 +1450,10 @@ def _solve_budget_model(
             options=["preprocess off"],
         )
         if res.x is None or not binaries or cuts >= _MAX_CUTS:
-            return res, cuts
+            return res, cuts, proven is not None
         y, r = problem.decision_from(idx, res.x)
         if math.ceil(problem.peak(y, problem.snap(y, r)) - 1e-6) <= budget:
-            return res, cuts
+            return res, cuts, proven is not None
         ones = [j for j in binaries if res.x[j] > 0.5]
         zeros = [j for j in binaries if res.x[j] <= 0.5]
         model.add_row(f"cut{cuts}", zeros + ones, [1.0] * len(zeros) + [-1.0] * len(ones), lb=1.0 - len(ones))

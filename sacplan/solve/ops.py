@@ -263,16 +263,20 @@ class ModuleOptions:
     Option ``k`` discards ``ratio[k] · A`` bytes (``A`` = the trade-off's ``max_discard_bytes``) and
     recomputes ``frac[k] · R`` ms (``R`` = its ``full_recompute_ms``); both strictly increase with ``k``
     (dominated options are dropped). ``selection[k]`` is the op selection that realises option ``k`` exactly
-    (``None``: full checkpoint, nothing saved); ``capacity[k]`` its saved bytes (``None`` likewise).
+    (``None``: full checkpoint, nothing saved); :attr:`capacity` gives its saved bytes (``None`` likewise).
     ``complete`` is True when the options are *every* Pareto-optimal save list of the module (nothing pruned),
     so an MILP over them ranges over all plans.
     """
 
     ratio: tuple[float, ...]
     frac: tuple[float, ...]
-    capacity: tuple[int | None, ...]
-    selection: tuple[OpSelection | None, ...] = ()
+    selection: tuple[OpSelection | None, ...]
     complete: bool = False
+
+    @property
+    def capacity(self) -> tuple[int | None, ...]:
+        """Saved bytes of each option's selection (``None`` for the full checkpoint)."""
+        return tuple(None if sel is None else sel.saved_bytes for sel in self.selection)
 
     def level_for(self, r: float) -> int:
         """The cheapest option discarding at least ratio ``r`` (the last one if none does)."""
@@ -303,7 +307,12 @@ def pareto_front(
     ops = tuple(ops)
     stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
     saved_groups, free, _ = _split(ops, False, stop)
-    always = {p for g in saved_groups for p in g.members}
+    front, complete = _front(free, cap)
+    return front, free, {p for g in saved_groups for p in g.members}, complete
+
+
+def _front(free: Sequence[_Group], cap: int) -> tuple[list[tuple[int, float, int]], bool]:
+    """The DP of :func:`pareto_front` over the free groups: ``(front, complete)``."""
     front: list[tuple[int, float, int]] = [(0, 0.0, 0)]
     complete = True
     for i, g in enumerate(free):
@@ -322,7 +331,7 @@ def pareto_front(
                 if key not in thin or p[1] > thin[key][1]:
                     thin[key] = p
             front = sorted(thin.values())
-    return front, free, always, complete
+    return front, complete
 
 
 def module_options(
@@ -356,8 +365,10 @@ def module_options(
     complete = True
     sels: list[OpSelection] = []
     if A > 0 and R > 0:
-        if len(_split(ops, False, stop)[1]) <= DP_MAX_GROUPS or not ratios:
-            front, free, always, complete = pareto_front(ops, recompute_stop=stop)
+        saved_groups, free, _ = _split(ops, False, stop)
+        if len(free) <= DP_MAX_GROUPS or not ratios:
+            front, complete = _front(free, FRONT_CAP)
+            always = {p for g in saved_groups for p in g.members}
             for _, _, mask in front:
                 saved = set(always)
                 for i, g in enumerate(free):
@@ -399,7 +410,6 @@ def module_options(
     return ModuleOptions(
         ratio=tuple(p[0] for p in kept),
         frac=tuple(p[1] for p in kept),
-        capacity=tuple(None if p[2] is None else p[2].saved_bytes for p in kept),
         selection=tuple(p[2] for p in kept),
         complete=complete,
     )
