@@ -8,7 +8,6 @@ import importlib
 import sys
 import types
 
-from sacplan.devices import DeviceSpec, get_device, list_devices
 from sacplan.errors import (
     BudgetError,
     CollectionError,
@@ -21,8 +20,6 @@ from sacplan.errors import (
     UnknownDeviceError,
     UnsupportedModelError,
 )
-from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, TradeOff
-from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
 
 __version__ = "0.1.0"
@@ -68,7 +65,12 @@ def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf u
     raise AttributeError(f"module 'sacplan' has no attribute {name!r}")
 
 
+# torch-importing modules are lazy too: `sacplan` (the CLI) starts in milliseconds, so a Ctrl-C during the
+# heavy imports lands inside the CLI's handler (one line, exit 130) instead of a traceback.
 _LAZY = {
+    "sacplan.devices": ("DeviceSpec", "get_device", "list_devices"),
+    "sacplan.stats": ("MemoryEvent", "MemSnapshot", "ModelStats", "ModuleStats", "OpStat", "TradeOff"),
+    "sacplan.tree": ("ModuleTree",),
     "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),

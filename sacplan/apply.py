@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 from typing import Any, Callable, Iterator, Mapping
 
@@ -33,8 +34,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from sacplan.errors import PlanMismatchError, UnsupportedModelError
+from sacplan.errors import ConfigError, PlanMismatchError, UnsupportedModelError
 from sacplan.fingerprint import canonical_names, model_fingerprint
+from sacplan.plan import Plan
 from sacplan.opnames import RANDOM, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
 
 __all__ = ["apply_plan", "remove_plan", "applied_plan", "make_policy"]
@@ -325,6 +327,13 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
         PlanMismatchError: the plan's fingerprint differs from the model's, or a module it names is absent.
         UnsupportedModelError: a key/value cache is switched on.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"apply_plan needs the nn.Module to plan as its first argument, got {type(model).__name__} {model!r:.60}")
+    if not isinstance(plan, Plan):
+        how = "load it first: apply_plan(model, sacplan.load_plan(path, model))" if isinstance(plan, (str, os.PathLike)) else (
+            "build it with Plan.from_dict(d), or load the file with sacplan.load_plan" if isinstance(plan, dict) else
+            "pass the Plan that solve() returned or sacplan.load_plan() read")
+        raise ConfigError(f"apply_plan needs a Plan, got {type(plan).__name__} {plan!r:.60}; {how}")
     outer, model = model, _inner(model)
     if applied_plan(model) is plan:
         return outer

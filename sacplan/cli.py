@@ -28,6 +28,7 @@ import importlib.util
 import json
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -75,7 +76,12 @@ class ModelSpec:
     overrides: dict[str, Any] | None = None
 
     def _user(self) -> tuple[Any, Any, Any]:
-        out = self.factory()  # type: ignore[misc]
+        try:
+            out = self.factory()  # type: ignore[misc]
+        except SacplanError:
+            raise
+        except Exception as e:  # the user's factory failed: one line naming it, not their traceback
+            raise _UsageError(f"{self.label}: the model factory raised {type(e).__name__}: {e}; fix the factory") from e
         if isinstance(out, tuple):
             if not 1 <= len(out) <= 3:
                 raise _UsageError(f"{self.label}: the factory must return a model, (model, inputs) or "
@@ -267,7 +273,8 @@ def _job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]
     device = get_device(args.device)
     # Parsed here only to fail fast; the *string* goes to solve(), because an int below 1 MiB would be
     # re-read there as GiB (see sacplan.units.parse_budget).
-    budget = getattr(args, "budget", None) or DEFAULT_BUDGET
+    budget = getattr(args, "budget", None)
+    budget = DEFAULT_BUDGET if budget is None else budget
     parse_budget(budget, capacity_bytes=device.memory_bytes)
     if args.world_size is not None and args.world_size < 1:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
@@ -344,6 +351,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_plot_path(path: str) -> None:
+    """Fail fast on a ``--plot`` path matplotlib could not write: missing folder or unknown extension."""
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise _UsageError(f"--plot {path!r}: folder {str(p.parent)!r} does not exist; create it or choose another path")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # plot_pareto says how to install it
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if p.suffix.lower().lstrip(".") not in kinds:
+        raise _UsageError(f"--plot {path!r}: unknown picture type {p.suffix or '(none)'!r}; use one of "
+                          f"{', '.join('.' + k for k in sorted(kinds))}")
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from sacplan.sweep import sweep
 
@@ -357,6 +379,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
         for b in budgets:
             parse_budget(b, capacity_bytes=device.memory_bytes)  # fail fast on a bad one
+    if args.plot:
+        _check_plot_path(args.plot)
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: sweeping budgets", file=sys.stderr, flush=True)
@@ -526,8 +550,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    seen: set[str] = set()
+
+    def one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:  # warnings: one line each, once
+        text = _one_line(message)
+        if text not in seen:
+            seen.add(text)
+            print(f"sacplan: warning: {text}", file=sys.stderr, flush=True)
+
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line_warning
+            return int(args.func(args))
     except InfeasibleBudgetError as e:
         print(
             f"sacplan: error: budget {_gib(e.budget_bytes)} is infeasible; minimum feasible budget is "

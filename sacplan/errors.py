@@ -26,6 +26,10 @@ class BudgetError(ConfigError):
     """A memory budget could not be parsed or is not positive."""
 
 
+class BudgetWarning(UserWarning):
+    """A budget was accepted but looks wrong (e.g. above the target device's memory)."""
+
+
 class InfeasibleBudgetError(SacplanError):
     """No checkpointing plan fits the budget.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from sacplan.errors import PlanError
+from sacplan.errors import ConfigError, PlanError
 
 #: Version of the dict layout produced by :meth:`Plan.to_dict`.
 PLAN_SCHEMA_VERSION = 1
@@ -149,6 +149,11 @@ class Plan:
         object.__setattr__(self, "decisions", tuple(self.decisions))
         object.__setattr__(self, "per_module_peak", MappingProxyType(dict(self.per_module_peak)))
         object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle / ``copy.deepcopy`` support: the read-only mappings travel as plain dicts."""
+        values = tuple(dict(v) if isinstance(v, MappingProxyType) else v for v in (getattr(self, f.name) for f in fields(self)))
+        return (type(self), values)
 
     # -- queries ------------------------------------------------------------------------------------
     def decisions_dict(self) -> dict[str, float]:
@@ -327,24 +332,49 @@ def _save(self: Plan, path: Any) -> Any:
         "plan": self.to_dict(),
     }
     text = json.dumps(doc, indent=2, allow_nan=False)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+    if p.is_dir():
+        raise ConfigError(f"cannot write plan file {str(p)!r}: it is a directory; give a file name such as plan.json")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+    except OSError as e:  # read-only folder, a regular file in the path, ...
+        raise ConfigError(
+            f"cannot write plan file {str(p)!r}: {e.strerror or e} (folder {str(p.parent)!r}); choose a writable folder"
+        ) from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):  # disk full, destination not replaceable...
+            raise ConfigError(f"cannot write plan file {str(p)!r}: {e.strerror or e}") from None
         raise
     return p
 
 
 Plan.save = _save  # type: ignore[attr-defined]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"bare {name} is not JSON (sacplan writes 'inf'/'nan' as strings)")
+
+
+def _known_op(name: str) -> bool:
+    """Whether ``name`` (e.g. ``"aten.mm.default"``) is an op overload this torch knows."""
+    import torch
+
+    from sacplan.opnames import resolve_op
+
+    try:
+        return isinstance(resolve_op(name), torch._ops.OpOverload)
+    except Exception:  # odd names can make torch.ops raise anything
+        return False
 
 
 def load_plan(path: Any, model: Any = None) -> Plan:
@@ -361,24 +391,34 @@ def load_plan(path: Any, model: Any = None) -> Plan:
         PlanMismatchError: ``model`` given and the plan is for another model (the module or field is named).
     """
     import json
+    import os
     from pathlib import Path
 
     from sacplan.errors import PlanMismatchError
+    from sacplan.plancheck import check_plan_body
 
+    if not isinstance(path, (str, os.PathLike)) or str(path) == "":
+        raise PlanError(f"load_plan needs the path of a plan file (str or pathlib.Path), got {type(path).__name__} {path!r:.60}")
     p = Path(path)
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as e:
         raise PlanError(f"cannot read plan file {str(p)!r}: {e.strerror or e}") from e
     try:
-        doc = json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"plan file {str(p)!r} is damaged: not UTF-8 text (byte {e.start}); write it with Plan.save") from e
+    try:
+        doc = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
         raise PlanError(f"plan file {str(p)!r} is damaged (not valid JSON at line {e.lineno}, column {e.colno}): {e.msg}") from e
+    except (ValueError, RecursionError) as e:  # NaN/Infinity literals, absurd nesting
+        raise PlanError(f"plan file {str(p)!r} is damaged: {e}") from None
     if not isinstance(doc, dict) or doc.get("schema") != "sacplan.plan-file":
         raise PlanError(f"{str(p)!r} is not a sacplan plan file (missing schema 'sacplan.plan-file')")
     version = doc.get("version")
-    if not isinstance(version, int):
-        raise PlanError(f"plan file {str(p)!r}: field 'version' must be an integer, got {version!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise PlanError(f"plan file {str(p)!r}: field 'version' must be an integer >= 1, got {version!r:.60}")
     if version > PLAN_FILE_VERSION:
         raise PlanError(
             f"plan file {str(p)!r} has version {version}, newer than this sacplan supports ({PLAN_FILE_VERSION}); "
@@ -390,17 +430,10 @@ def load_plan(path: Any, model: Any = None) -> Plan:
     for name in _REQUIRED:
         if name not in body:
             raise PlanError(f"plan file {str(p)!r}: field 'plan.{name}' is missing")
-    if not isinstance(body["decisions"], list):
-        raise PlanError(f"plan file {str(p)!r}: field 'plan.decisions' must be a list")
-    for i, d in enumerate(body["decisions"]):
-        if not isinstance(d, dict) or "fqn" not in d:
-            raise PlanError(f"plan file {str(p)!r}: decision {i} has no 'fqn'")
-        r = d.get("discard_ratio")
-        if not isinstance(r, (int, float)) or not 0 <= r <= 1:
-            raise PlanError(f"plan file {str(p)!r}: module {d['fqn']!r} has discard_ratio {r!r}, expected 0..1")
-        ops = d.get("saved_ops")
-        if ops is not None and (not isinstance(ops, list) or any(not isinstance(o, list) or len(o) != 3 for o in ops)):
-            raise PlanError(f"plan file {str(p)!r}: module {d['fqn']!r} has malformed saved_ops (want [index, name, occurrence])")
+    try:
+        check_plan_body(body, _known_op, PLAN_SCHEMA_VERSION)
+    except PlanError as e:
+        raise PlanError(f"plan file {str(p)!r}: {e}") from None
     try:
         plan = Plan.from_dict(body)
     except PlanError as e:

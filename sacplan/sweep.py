@@ -14,11 +14,12 @@ Units: bytes (int) and milliseconds (float); GiB only in :meth:`SweepResult.tabl
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from sacplan.errors import InfeasibleBudgetError
+from sacplan.errors import BudgetWarning, InfeasibleBudgetError
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB, parse_budget
 
@@ -226,10 +227,12 @@ def sweep(
     rows = []
     for b in bs:
         try:
-            p = solve(  # "<n>B": an int below 1 MiB would be read as GiB by parse_budget
-                tree, f"{b}B", world_size=world_size, solver=solver, time_limit_s=time_limit_s,
-                ac_units=ac_units, fsdp_units=fsdp_units,
-            )
+            with warnings.catch_warnings():  # budgets above the device were warned about above, or are the sweep's own
+                warnings.simplefilter("ignore", BudgetWarning)
+                p = solve(  # "<n>B": an int below 1 MiB would be read as GiB by parse_budget
+                    tree, f"{b}B", world_size=world_size, solver=solver, time_limit_s=time_limit_s,
+                    ac_units=ac_units, fsdp_units=fsdp_units,
+                )
         except InfeasibleBudgetError:
             rows.append(SweepRow(b, math.nan, -1, "infeasible", 0, math.nan))
             continue

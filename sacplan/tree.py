@@ -55,6 +55,10 @@ class ModuleTree:
     """
 
     def __init__(self, stats: ModelStats) -> None:
+        if not isinstance(stats, ModelStats):
+            raise ConfigError(
+                f"ModuleTree needs the ModelStats that sacplan.collect() returns, got {type(stats).__name__}"
+            )
         self.stats = stats
         mods = stats.modules
         if not mods:

@@ -7,9 +7,11 @@ GiB appear only when reading user input or printing.
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import warnings
 
-from sacplan.errors import BudgetError
+from sacplan.errors import BudgetError, BudgetWarning
 
 GiB = 2**30
 MiB = 2**20
@@ -42,20 +44,42 @@ def parse_budget(budget: int | float | str, capacity_bytes: int | None = None) -
     """Turn a user budget into bytes.
 
     Accepted forms:
-      * ``int``/``float`` below 1 MiB (1,048,576): GiB, e.g. ``40`` or ``40.5``;
+      * ``int``/``float`` (numpy scalars included) below 1 MiB (1,048,576): GiB, e.g. ``40`` or ``40.5``;
       * ``int``/``float`` at or above 1 MiB: bytes, e.g. ``42949672960``;
       * strings with a unit: ``"40GiB"``, ``"42.9GB"``, ``"512MiB"``, ``"1e10B"``, ``"40"`` (GiB);
       * percentages of the target device's capacity: ``"80%"`` (needs ``capacity_bytes``).
 
+    When ``capacity_bytes`` (the target device's memory, bytes) is given and the budget exceeds it, a
+    :class:`~sacplan.errors.BudgetWarning` says so: a plan for that budget need not fit on the device.
+
     Raises:
-        BudgetError: unparsable, non-positive, or a percentage without a device capacity.
+        BudgetError: unparsable, non-positive, not finite, rounding to 0 bytes, or a percentage without a
+            device capacity.
     """
+    n = _budget_bytes(budget, capacity_bytes)
+    if n < 1:
+        raise BudgetError(f"memory budget {budget!r} is less than one byte; write e.g. '40GiB' or '512MiB'")
+    if capacity_bytes is not None and n > capacity_bytes:
+        warnings.warn(
+            f"budget {fmt_bytes(n)} exceeds the target device's {fmt_bytes(capacity_bytes)} of memory: a plan for it "
+            "may not fit on the device; lower the budget or give a percentage such as '90%'",
+            BudgetWarning,
+            stacklevel=3,
+        )
+    return n
+
+
+def _budget_bytes(budget: object, capacity_bytes: int | None) -> int:
+    """Bytes of ``budget`` (see :func:`parse_budget`), without the capacity check."""
     if isinstance(budget, bool):
         raise BudgetError(f"memory budget must be a number or a string like '40GiB', got {budget!r}")
-    if isinstance(budget, (int, float)):
-        value = float(budget)
+    if isinstance(budget, numbers.Real):
+        try:
+            value = float(budget)
+        except OverflowError:
+            value = math.inf
         if not math.isfinite(value) or value <= 0:
-            raise BudgetError(f"memory budget must be positive and finite, got {budget!r}")
+            raise BudgetError(f"memory budget must be positive and finite, got {repr(budget)[:40]}; write e.g. '40GiB'")
         if value < PLAIN_NUMBER_GIB_LIMIT:
             return int(round(value * GiB))
         return int(round(value))
@@ -68,6 +92,8 @@ def parse_budget(budget: int | float | str, capacity_bytes: int | None = None) -
         )
     value = float(m.group(1))
     unit = m.group(2).lower()
+    if not math.isfinite(value):
+        raise BudgetError(f"memory budget {budget!r} is too large to be a number of bytes; write e.g. '40GiB'")
     if value <= 0:
         raise BudgetError(f"memory budget must be positive, got {budget!r}")
     if unit == "%":
@@ -77,10 +103,13 @@ def parse_budget(budget: int | float | str, capacity_bytes: int | None = None) -
             raise BudgetError(f"budget {budget!r} is over 100% of the device capacity")
         return int(capacity_bytes * value / 100.0)
     if unit == "":
-        return parse_budget(value)
+        return _budget_bytes(value, capacity_bytes)
     if unit not in _UNITS:
         raise BudgetError(f"unknown unit {m.group(2)!r} in budget {budget!r}: use B, KB, MB, GB, KiB, MiB, GiB or %")
-    return int(round(value * _UNITS[unit]))
+    n = value * _UNITS[unit]
+    if not math.isfinite(n):
+        raise BudgetError(f"memory budget {budget!r} is too large to be a number of bytes; write e.g. '40GiB'")
+    return int(round(n))
 
 
 def fmt_bytes(n: float, unit: str | None = None) -> str:

@@ -114,18 +114,36 @@ def collect(
         model_name = model_name or preset.name
     if optimizer is True:
         optimizer = None
+    if not (optimizer is None or optimizer is False or callable(optimizer)):
+        raise ConfigError(
+            f"optimizer must be a factory params -> torch.optim.Optimizer (e.g. lambda p: torch.optim.Adam(p)), None "
+            f"for AdamW, or False for no optimizer step; got {optimizer!r:.60}"
+        )
+    if isinstance(max_lines, bool) or not isinstance(max_lines, int) or max_lines < 1:
+        raise ConfigError(f"max_lines must be an integer >= 1 (trade-off lines per module), got {max_lines!r:.60}")
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     say(f"building {model_name or 'model'} on fake tensors")
     fmodel = _build_fake_model(model, preset, fake_mode, dtype)
     model_name = model_name or type(fmodel).__name__
+    for mod in fmodel.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.momentum is None:
+            # A cumulative moving average (momentum=None) computes its factor 1/n with .item(), which fake
+            # tensors cannot answer. Any fixed factor runs the same ops on the same bytes; the copy is ours.
+            mod.momentum = 0.1
+    trainable = [p for p in fmodel.parameters() if p.requires_grad]
+    if not trainable and opt_factory is not None:
+        raise ConfigError(
+            f"{model_name} has no trainable parameters (all requires_grad=False), so there is nothing to optimize: "
+            "pass optimizer=False (the backward then needs inputs that require grad), or unfreeze some parameters"
+        )
     with fake_mode:
         args = _make_inputs(inputs, preset, fake_mode, batch, seq, dtype)
         if loss_fn is None and preset is not None:
             loss_fn = preset.loss_fn
         loss = loss_fn or default_loss
-        opt = opt_factory([p for p in fmodel.parameters() if p.requires_grad]) if opt_factory else None
+        opt = opt_factory(trainable) if opt_factory else None
 
     recorder = StepRecorder(fmodel, spec, rt)
     hooks = _install_state_hooks(fmodel, opt, recorder)
