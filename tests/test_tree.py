@@ -138,3 +138,9 @@ def test_bad_trees_raise_config_error(stats):
         ModuleTree(_with_modules(stats, mods + [dataclasses.replace(mods[1], fqn="other", parent=None)]))
     with pytest.raises(ConfigError, match="no modules"):
         ModuleTree(_with_modules(stats, []))
+
+
+@pytest.mark.parametrize("stats", [None, {}, "stats"])
+def test_module_tree_needs_model_stats(stats):
+    with pytest.raises(ConfigError, match="ModelStats"):
+        ModuleTree(stats)

@@ -1,0 +1,59 @@
+"""apply_plan's arguments and Plan.save's destination (issue 15): typed errors, never a traceback."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from sacplan.apply import apply_plan
+from sacplan.errors import ConfigError
+from sacplan.solve import solve
+
+
+@pytest.fixture(scope="module")
+def plan(llama_setup):
+    _, _, _, tree = llama_setup
+    return solve(tree, int(tree.stats.peak_bytes * 0.7))
+
+
+@pytest.mark.parametrize("bad, needle", [("plan.json", "load_plan"), ({}, "from_dict"), (3, "solve"), (None, "solve")])
+def test_plan_argument_must_be_a_plan(llama_setup, bad, needle, tmp_path):
+    model = llama_setup[0]()
+    with pytest.raises(ConfigError, match=needle):
+        apply_plan(model, bad)
+
+
+def test_plan_path_object(llama_setup, tmp_path, plan):
+    path = plan.save(tmp_path / "p.json")
+    with pytest.raises(ConfigError, match="load_plan"):
+        apply_plan(llama_setup[0](), path)
+
+
+def test_model_argument_must_be_a_module(plan):
+    with pytest.raises(ConfigError, match="nn.Module"):
+        apply_plan("llama-tiny", plan)
+
+
+def test_save_under_a_regular_file_names_the_destination(plan, tmp_path):
+    (tmp_path / "f").write_text("x")
+    dest = tmp_path / "f" / "plan.json"
+    with pytest.raises(ConfigError) as e:
+        plan.save(dest)
+    assert str(dest) in str(e.value) and ".tmp" not in str(e.value)
+
+
+def test_save_into_a_read_only_folder_names_the_destination(plan, tmp_path, monkeypatch):
+    def denied(*a, **k):  # what mkstemp raises in a read-only folder (tests may run as root, who writes anyway)
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".plan.json.abc.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(ConfigError, match="writable") as e:
+        plan.save(tmp_path / "plan.json")
+    assert str(tmp_path / "plan.json") in str(e.value) and ".tmp" not in str(e.value)
+
+
+def test_save_onto_a_directory(plan, tmp_path):
+    with pytest.raises(ConfigError, match="directory"):
+        plan.save(tmp_path)
