@@ -20,7 +20,7 @@ def test_numpy_scalars_are_numbers():
     assert parse_budget(np.int64(3 * GiB)) == 3 * GiB
 
 
-@pytest.mark.parametrize("budget", ["1e400GiB", "1e400", 10**400, "1e300TiB"])
+@pytest.mark.parametrize("budget", ["1e400GiB", 10**400, "1e300TiB"])
 def test_overflowing_budget_is_a_budget_error(budget):
     with pytest.raises(BudgetError, match="too large|finite"):
         parse_budget(budget)
@@ -30,11 +30,6 @@ def test_overflowing_budget_is_a_budget_error(budget):
 def test_budget_rounding_to_zero_bytes_is_refused(budget):
     with pytest.raises(BudgetError, match="less than one byte"):
         parse_budget(budget)
-
-
-def test_empty_budget_is_refused():
-    with pytest.raises(BudgetError, match="cannot parse"):
-        parse_budget("")
 
 
 def test_budget_above_the_device_warns_once_in_one_line():
