@@ -17,7 +17,8 @@ device's memory (``80%``, the default).
 
 Exit codes: 0 ok; 2 bad argument (usage, unknown device or preset, unparsable budget, missing factory file
 or function); 3 infeasible budget (the message gives the minimum feasible budget); 1 any other sacplan
-error. Errors are one line on stderr, never a traceback.
+error; 130 interrupted (Ctrl-C). Errors are one line on stderr, never a traceback; so are warnings (e.g. a budget
+above the target device's memory).
 """
 
 from __future__ import annotations
