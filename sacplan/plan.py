@@ -238,9 +238,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if not isinstance(d, Mapping):
+            raise PlanError(f"a plan dict must be a mapping (Plan.to_dict()), got {type(d).__name__}")
         if d.get("schema", "sacplan.plan") != "sacplan.plan":
             raise PlanError(f"not a sacplan plan (schema {d.get('schema')!r})")
-        if int(d.get("version", PLAN_SCHEMA_VERSION)) > PLAN_SCHEMA_VERSION:
+        v = d.get("version", PLAN_SCHEMA_VERSION)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"field 'version' of a plan must be an integer >= 1, got {v!r:.60}")
+        if v > PLAN_SCHEMA_VERSION:
             raise PlanError(
                 f"plan version {d.get('version')} is newer than this sacplan supports ({PLAN_SCHEMA_VERSION}); "
                 "upgrade sacplan"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-import pickle
 import warnings
 
 import numpy as np
 import pytest
 
 from sacplan.errors import BudgetError, BudgetWarning
-from sacplan.plan import ModuleDecision, Plan
 from sacplan.units import GiB, parse_budget
 
 
@@ -42,21 +39,3 @@ def test_budget_above_the_device_warns_once_in_one_line():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert parse_budget("70GiB", capacity_bytes=80 * 10**9) == 70 * GiB  # below: no warning
-
-
-def _plan() -> Plan:
-    return Plan(
-        decisions=(ModuleDecision("a", saved_ops=((1, "aten.mm.default", 0),)),), budget_bytes=1, predicted_peak_bytes=1,
-        baseline_peak_bytes=2, recompute_ms=1.0, baseline_step_ms=2.0, status="optimal", objective_ms=1.0, bound_ms=1.0,
-        gap=0.0, solver="cbc", build_s=0.0, solve_s=0.0, world_size=1, device_name="x", model_name="m", fingerprint="f",
-        per_module_peak={"a": 3}, meta={"k": [1, 2]},
-    )
-
-
-def test_plan_deepcopies_and_pickles():
-    p = _plan()
-    for q in (copy.deepcopy(p), pickle.loads(pickle.dumps(p)), copy.copy(p)):
-        assert q == p and q.to_dict() == p.to_dict()
-        assert dict(q.per_module_peak) == {"a": 3}
-        with pytest.raises(TypeError):
-            q.meta["k"] = 1  # still read-only

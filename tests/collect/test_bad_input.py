@@ -59,3 +59,34 @@ def test_batchnorm_cumulative_average_of_a_user_module_is_left_alone():
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
     collect(m, (torch.randn(8, 4),), device=CPU)
     assert m[1].momentum is None and int(m[1].num_batches_tracked) == 0
+
+
+def test_batchnorm_cumulative_average_plans_and_applies_exactly():
+    """End to end: the plan for a momentum=None model applies with the same gradients and running statistics."""
+    from sacplan.apply import apply_plan
+    from sacplan.solve import min_feasible_budget, solve
+    from sacplan.tree import ModuleTree
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn, self.out = nn.Linear(16, 64), nn.BatchNorm1d(64, momentum=None), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return x + self.out(torch.relu(self.bn(self.lin(x))))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(Block(), Block(), Block(), nn.Linear(16, 1))
+
+    x = torch.randn(32, 16)
+    tree = ModuleTree(collect(build, (x,), device=CPU))
+    plan = solve(tree, f"{min_feasible_budget(tree)}B")
+    assert plan.decisions
+    plain, planned = build(), apply_plan(build(), plan)
+    for _ in range(2):
+        for m in (plain, planned):
+            m(x).pow(2).mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), planned.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), planned.buffers()))
+    assert int(planned[0].bn.num_batches_tracked) == 2
