@@ -5,7 +5,6 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-import torch
 
 from sacplan.apply import apply_plan
 from sacplan.errors import ConfigError

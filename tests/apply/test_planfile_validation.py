@@ -149,7 +149,7 @@ _VALUES = st.one_of(
 )
 
 
-def _paths(doc, prefix=()):
+def _paths(doc):
     """Every (container, key) in the document."""
     if isinstance(doc, dict):
         for k, v in doc.items():
