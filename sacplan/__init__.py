@@ -62,6 +62,8 @@ def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf u
     for module, names in _LAZY.items():
         if name in names:
             return getattr(importlib.import_module(module), name)
+    if name in ("devices", "stats", "tree"):  # `import sacplan; sacplan.devices.DeviceSpec(...)` as before
+        return importlib.import_module(f"sacplan.{name}")
     raise AttributeError(f"module 'sacplan' has no attribute {name!r}")
 
 
