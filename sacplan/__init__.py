@@ -72,6 +72,7 @@ _LAZY = {
     "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),
+    "sacplan.enable": ("fit_to_budget", "show_plan"),
 }
 
 
@@ -79,6 +80,6 @@ __all__ = [
     "BudgetError", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
     "MemoryEvent", "ModelStats", "ModuleStats", "ModuleTree", "OpStat", "PlanError", "PlanMismatchError",
     "SacplanError", "SolverError", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
-    "apply_plan", "baseline_peak", "certify", "collect", "get_device", "list_devices", "load_plan", "min_feasible_budget",
-    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "solve", "sweep", "validate",
+    "apply_plan", "baseline_peak", "certify", "collect", "fit_to_budget", "get_device", "list_devices", "load_plan", "min_feasible_budget",
+    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "show_plan", "solve", "sweep", "validate",
 ]
