@@ -8,7 +8,6 @@ import importlib
 import sys
 import types
 
-from sacplan.devices import DeviceSpec, get_device, list_devices
 from sacplan.errors import (
     BudgetError,
     CollectionError,
@@ -21,8 +20,6 @@ from sacplan.errors import (
     UnknownDeviceError,
     UnsupportedModelError,
 )
-from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, TradeOff
-from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
 
 __version__ = "0.1.0"
@@ -61,7 +58,7 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf until needed)
+def __getattr__(name: str):  # lazy: keep `import sacplan` light (no torch/PuLP until needed: `sacplan --help` is fast)
     for module, names in _LAZY.items():
         if name in names:
             return getattr(importlib.import_module(module), name)
@@ -69,6 +66,9 @@ def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf u
 
 
 _LAZY = {
+    "sacplan.devices": ("DeviceSpec", "get_device", "list_devices"),
+    "sacplan.stats": ("MemoryEvent", "MemSnapshot", "ModelStats", "ModuleStats", "OpStat", "TradeOff"),
+    "sacplan.tree": ("ModuleTree",),
     "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),
