@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sacplan.errors import ConfigError, InfeasibleBudgetError, SacplanError
+from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
 from sacplan.units import GiB, fmt_bytes
 
 __all__ = ["main", "build_parser", "load_model_spec", "ModelSpec", "format_plan"]
@@ -446,7 +446,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         kw["loss_fn"] = loss_fn
     if opt is not None:
         kw["optimizer"] = opt
-    report = validate(model_fn, inputs_fn, plan, **kw)
+    try:
+        report = validate(model_fn, inputs_fn, plan, **kw)
+    except PlanMismatchError as e:
+        raise _UsageError(
+            f"{args.plan} was made for {plan.model_name or 'another model'} ({len(plan.decisions)} modules "
+            f"checkpointed), not {spec.label}: run `sacplan validate {plan.model_name or 'MODEL'} --plan {args.plan}`, "
+            f"or make a plan for this model with `sacplan plan {args.model} -o PLAN.json` ({_one_line(e)})"
+        ) from e
     print(report.summary())
     if not report.grads_match:
         print("sacplan: error: gradients with the plan differ from those without it", file=sys.stderr)

@@ -344,7 +344,10 @@ def _save(self: Plan, path: Any) -> Any:
     text = json.dumps(doc, indent=2, allow_nan=False)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would (mkstemp makes 0600)
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
             f.flush()
@@ -389,6 +392,11 @@ def load_plan(path: Any, model: Any = None) -> Plan:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanError(f"plan file {str(p)!r} is damaged (not valid JSON at line {e.lineno}, column {e.colno}): {e.msg}") from e
+    if isinstance(doc, dict) and doc.get("schema") == "sacplan.plan":
+        raise PlanError(
+            f"{str(p)!r} holds `sacplan plan --json` output, not a plan file: write plan files with "
+            "`sacplan plan ... -o plan.json` (or Plan.save)"
+        )
     if not isinstance(doc, dict) or doc.get("schema") != "sacplan.plan-file":
         raise PlanError(f"{str(p)!r} is not a sacplan plan file (missing schema 'sacplan.plan-file')")
     version = doc.get("version")

@@ -274,3 +274,30 @@ def test_plan_certify(capsys):
     cert = d["certificate"]
     assert cert["proven"] and cert["lower_bound_ms"] <= cert["best_ms"] <= d["recompute_ms"] + 1e-12
     assert cert["budget_bytes"] == d["budget_bytes"]
+
+
+def test_plan_for_another_model_names_it(plan_file, capsys):
+    assert main(["validate", "cnn-tiny", "--plan", str(plan_file)]) == 2
+    line, _ = _err_line(capsys)
+    assert f"{plan_file} was made for llama-tiny" in line and "not cnn-tiny" in line
+    assert f"sacplan validate llama-tiny --plan {plan_file}" in line and "sacplan plan cnn-tiny -o PLAN.json" in line
+
+
+def test_show_a_json_dump_points_to_o(tmp_path, capsys):
+    dump = tmp_path / "x.json"
+    assert main(["plan", *TINY, "--json"]) == 0
+    dump.write_text(capsys.readouterr().out)
+    assert main(["show", str(dump)]) == 1
+    line, _ = _err_line(capsys)
+    assert "`sacplan plan --json` output, not a plan file" in line and "-o plan.json" in line
+
+
+def test_plan_file_mode_follows_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert main(["plan", *TINY, "-o", str(tmp_path / "p.json")]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p.json").stat().st_mode & 0o777 == 0o644
