@@ -441,7 +441,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     spec = load_model_spec(args.model, layers=args.layers)
     plan = load_plan(args.plan)
     model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
-    kw: dict[str, Any] = {"device": args.on}
+    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args)}
     if loss_fn is not None:
         kw["loss_fn"] = loss_fn
     if opt is not None:
@@ -561,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_validate)
     return parser
 

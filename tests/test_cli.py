@@ -251,10 +251,14 @@ def test_devices(capsys):
     assert "H100-SXM" in names
 
 
-def test_validate_preset(plan_file, capsys):
+def test_validate_preset(plan_file, capfd):
     assert main(["validate", "llama-tiny", "--plan", str(plan_file), "--on", "cpu"]) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
     assert "peak, with plan" in out and "gradients" in out
+    assert "predicted for this host (cpu)" in out and "the plan's own prediction, for its target H100-SXM" in out
+    assert "step ms, with plan (median of 3 after warm-up)" in out
+    assert "sacplan: real steps with the plan" in err
+    assert "USDT" not in out + err  # the profiler's native log lines are filtered out
 
 
 def test_python_m_sacplan_devices():
