@@ -25,9 +25,22 @@ def test_main_job_default_model():
 
 
 def test_python_quick_start(tmp_path):
-    block = re.search(r"## Quick start \(Python\)\n\n```python\n(.*?)```", README, re.S).group(1)
-    env = dict(os.environ)
+    block = re.search(r"## Step by step \(Python\)\n\n```python\n(.*?)```", README, re.S).group(1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, not an installed copy
     r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "plan.json").exists()
-    assert "SAC plan for llama-7b" in r.stdout
+    assert "SAC plan: llama-7b" in r.stdout
+
+
+def test_one_call_block(tmp_path):
+    """The "one call" example plans, applies and prints what the README says it prints."""
+    block = re.search(r"## Your own model, one call\n.*?```python\n(.*?)```", README, re.S).group(1)
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "plan.json").exists()
+    shown = re.search(r"It prints.*?```\n(.*?)```", README, re.S).group(1)
+    for line in shown.splitlines():
+        if "..." not in line:
+            assert line in r.stdout.splitlines(), line
