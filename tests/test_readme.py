@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -24,6 +26,7 @@ def test_main_job_default_model():
     assert "SAC plan: llama-1b on H100-SXM" in r.stdout and "predicted peak" in r.stdout
 
 
+@pytest.mark.slow  # 30 s (Llama-7B, 8 ranks); the one-call block runs README Python in the default run
 def test_python_quick_start(tmp_path):
     block = re.search(r"## Step by step \(Python\)\n\n```python\n(.*?)```", README, re.S).group(1)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, not an installed copy
