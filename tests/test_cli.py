@@ -164,7 +164,7 @@ def test_factory_errors_say_what_to_return(tmp_path, capsys, body, needle):
 def test_factory_tuple_form_still_accepted():
     import torch
 
-    from sacplan.cli import parse_factory_output
+    from sacplan.cli_models import parse_factory_output
 
     m, x = torch.nn.Linear(2, 2), torch.randn(1, 2)
     assert parse_factory_output((m, x), "f") == (m, x, None, None)
