@@ -193,7 +193,7 @@ class Plan:
         step = self.baseline_step_ms + self.recompute_ms
         gap = self.gap
         solver = (
-            f"{self.solver}: {self.status}" + (f", gap {100 * gap:.3f}%" if math.isfinite(gap) else "")
+            f"{self.solver}: {self.status}" + (f", gap {100 * gap:.3g}%" if math.isfinite(gap) else "")
             if self.solver
             else self.status
         )
