@@ -281,7 +281,7 @@ def test_plan_certify(capsys):
 
 
 def test_plan_for_another_model_names_it(plan_file, capsys):
-    assert main(["validate", "cnn-tiny", "--plan", str(plan_file)]) == 2
+    assert main(["validate", "cnn-tiny", "--plan", str(plan_file), "-q"]) == 2
     line, _ = _err_line(capsys)
     assert f"{plan_file} was made for llama-tiny" in line and "not cnn-tiny" in line
     assert f"sacplan validate llama-tiny --plan {plan_file}" in line and "sacplan plan cnn-tiny -o PLAN.json" in line
