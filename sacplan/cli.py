@@ -270,6 +270,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             "the plan's target is fixed when it is made)"
         )
     spec = load_model_spec(args.model, layers=args.layers)
+    if spec.preset is None and (args.batch is not None or args.seq is not None):
+        raise _UsageError("--batch/--seq apply to presets only; a file model's factory makes its own inputs")
     plan = load_plan(args.plan)
     model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
     kw: dict[str, Any] = {"device": args.on, "progress": _progress(args)}

@@ -178,6 +178,9 @@ def test_batch_and_seq_refused_for_file_models(tmp_path, capsys):
     assert main(["plan", f"{f}:build", "-q", "--batch", "4", "--seq", "8"]) == 2
     line, _ = _err_line(capsys)
     assert "--batch and --seq apply to presets only" in line
+    assert main(["validate", f"{f}:build", "--plan", "p.json", "--batch", "4"]) == 2
+    line, _ = _err_line(capsys)
+    assert "--batch/--seq apply to presets only" in line
 
 
 def test_help_states_the_factory_contract(capsys):
