@@ -2,6 +2,9 @@
 
 Flow (one direction): ``collect`` (fake training step → :class:`ModelStats`) → :class:`ModuleTree` →
 ``solve`` / ``sac_milp`` (MILP) → :class:`Plan` → ``apply_plan`` / ``Plan.save`` / ``validate``.
+
+In one call: ``plan = sacplan.fit_to_budget(model, inputs, budget="60GiB", device="h100")`` (collect, solve,
+apply); ``print(sacplan.show_plan(model))`` shows the model with its checkpointed modules marked.
 """
 
 import importlib
