@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import time
 
-from sacplan.cli import format_plan
 from sacplan.collect import collect
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.models import get_model
@@ -65,7 +64,7 @@ def main() -> int:
     except InfeasibleBudgetError as e:
         print(f"infeasible: minimum feasible budget is {e.min_feasible_bytes / 2**30:.2f} GiB per GPU")
         return 3
-    print(format_plan(plan, extra=[f"batch {args.batch}, seq {args.seq}, bf16, FSDP world size {args.world_size}"]))
+    print(plan.summary(extra=[f"batch {args.batch}, seq {args.seq}, bf16, FSDP world size {args.world_size}"]))
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

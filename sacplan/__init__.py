@@ -2,6 +2,9 @@
 
 Flow (one direction): ``collect`` (fake training step → :class:`ModelStats`) → :class:`ModuleTree` →
 ``solve`` / ``sac_milp`` (MILP) → :class:`Plan` → ``apply_plan`` / ``Plan.save`` / ``validate``.
+
+In one call: ``plan = sacplan.fit_to_budget(model, inputs, budget="60GiB", device="h100")`` (collect, solve,
+apply); ``print(sacplan.show_plan(model))`` shows the model with its checkpointed modules marked.
 """
 
 import importlib
@@ -58,7 +61,7 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-def __getattr__(name: str):  # lazy: keep `import sacplan` light (no PuLP/pwlf until needed)
+def __getattr__(name: str):  # lazy: keep `import sacplan` light (no torch/PuLP until needed: `sacplan --help` is fast)
     for module, names in _LAZY.items():
         if name in names:
             return getattr(importlib.import_module(module), name)
@@ -76,6 +79,7 @@ _LAZY = {
     "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),
+    "sacplan.enable": ("fit_to_budget", "show_plan"),
 }
 
 
@@ -83,6 +87,6 @@ __all__ = [
     "BudgetError", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
     "MemoryEvent", "ModelStats", "ModuleStats", "ModuleTree", "OpStat", "PlanError", "PlanMismatchError",
     "SacplanError", "SolverError", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
-    "apply_plan", "baseline_peak", "certify", "collect", "get_device", "list_devices", "load_plan", "min_feasible_budget",
-    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "solve", "sweep", "validate",
+    "apply_plan", "baseline_peak", "certify", "collect", "fit_to_budget", "get_device", "list_devices", "load_plan", "min_feasible_budget",
+    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "show_plan", "solve", "sweep", "validate",
 ]

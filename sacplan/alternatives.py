@@ -293,7 +293,9 @@ def _profiled(fn: Callable[[], None], live_at_start: int) -> tuple[int, int]:
     CPU allocator events (the method of :func:`sacplan.validate._cpu_profiled_peak`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from sacplan.collect.workspace import quiet_profiler_logs
+
+    with quiet_profiler_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     evs = list(prof.profiler.kineto_results.events())
     marks = [e.start_ns() for e in evs if e.name() == _FW_END]

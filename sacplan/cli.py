@@ -1,16 +1,18 @@
-"""Command line interface: ``sacplan plan | sweep | show | devices | validate``.
+"""Command line interface: ``sacplan plan | sweep | show | devices | models | validate``.
 
     sacplan plan                                   # default job: llama-1b, batch 3 x seq 8192, bf16, H100, 80%
     sacplan plan llama-7b --device h100 --budget 60GiB --batch 2 --seq 4096 -o plan.json
     sacplan plan my_model.py:build --device a100-40gb --budget 30GiB
     sacplan sweep llama-7b --points 8 --plot pareto.png
     sacplan show plan.json
-    sacplan devices
-    sacplan validate llama-tiny --plan plan.json --device cpu
+    sacplan devices                                # target GPUs for --device
+    sacplan models                                 # built-in presets for MODEL
+    sacplan validate llama-tiny --plan plan.json --on cpu
 
-MODEL is a preset name (``sacplan devices`` lists devices; :mod:`sacplan.models` the presets) or
-``path/to/file.py:factory`` where ``factory()`` returns a model, ``(model, inputs)`` or
-``(model, inputs, optimizer_factory)``.
+MODEL is a preset name (``sacplan models``) or ``path/to/file.py:factory``: see
+:data:`sacplan.cli_models.FACTORY_CONTRACT`
+(printed by ``sacplan plan --help``). ``--device`` always names the *target* GPU (``sacplan devices``);
+``validate --on cpu|cuda`` names the machine the real steps run on.
 
 Budgets: ``60GiB``, ``64.4GB``, ``512MiB``, a plain number of GiB (``60``) or a percentage of the target
 device's memory (``80%``, the default).
@@ -25,27 +27,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
-import math
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sacplan.errors import ConfigError, InfeasibleBudgetError, SacplanError
-from sacplan.units import GiB, MiB
+from sacplan.cli_models import FACTORY_CONTRACT, ModelSpec, is_file_model, load_model_spec
+from sacplan.cli_models import UsageError as _UsageError
+from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
+from sacplan.units import GiB, fmt_bytes
 
 __all__ = ["main", "build_parser", "load_model_spec", "ModelSpec", "format_plan"]
 
-#: The job ``sacplan plan`` runs with no MODEL: Llama 3.2 1B shape at batch 3 x 8192 tokens in bf16 on an
+#: The job ``sacplan plan`` runs with no MODEL (the same as ``sacplan plan llama-1b``): Llama 3.2 1B shape at
+#: its preset's batch 3 x 8192 tokens in bf16 on an
 #: H100. Its no-checkpointing peak (~84 GiB) does not fit the default budget (80% of the H100's 79.2 GiB
 #: = 63.4 GiB) while full checkpointing needs far less (~43 GiB), so the default run shows a real
 #: *selective* plan. Collection + solve take a few seconds on a 2-core laptop.
-DEFAULT_MODEL = "llama-1b"
-DEFAULT_BATCH = 3
-DEFAULT_SEQ = 8192
+DEFAULT_MODEL = "llama-1b"  # its preset defaults: batch 3 x seq 8192
 DEFAULT_DTYPE = "bf16"
 DEFAULT_DEVICE = "h100"
 DEFAULT_BUDGET = "80%"
@@ -53,179 +53,12 @@ DEFAULT_BUDGET = "80%"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 
 
-class _UsageError(ConfigError):
-    """A bad command-line argument (exit code 2)."""
-
-
-# -------------------------------------------------------------------------------------------------------
-# Models: presets or path/to/file.py:factory
-# -------------------------------------------------------------------------------------------------------
-@dataclass
-class ModelSpec:
-    """What to collect: a preset or a user factory, with the knobs of the fake step.
-
-    Attributes:
-        label: name shown in reports.
-        preset: the :class:`~sacplan.models.ModelPreset` (or ``None`` for a user factory).
-        factory: the user's zero-argument factory (file models).
-        overrides: preset config overrides (e.g. ``n_layers``).
-    """
-
-    label: str
-    preset: Any = None
-    factory: Callable[[], Any] | None = None
-    overrides: dict[str, Any] | None = None
-
-    def _user(self) -> tuple[Any, Any, Any]:
-        try:
-            out = self.factory()  # type: ignore[misc]
-        except SacplanError:
-            raise
-        except Exception as e:  # the user's factory failed: one line naming it, not their traceback
-            raise _UsageError(f"{self.label}: the model factory raised {type(e).__name__}: {e}; fix the factory") from e
-        if isinstance(out, tuple):
-            if not 1 <= len(out) <= 3:
-                raise _UsageError(f"{self.label}: the factory must return a model, (model, inputs) or "
-                                  f"(model, inputs, optimizer_factory), got a tuple of {len(out)}")
-            out = tuple(out) + (None,) * (3 - len(out))
-            return out[0], out[1], out[2]
-        return out, None, None
-
-    def collect(self, device: str, *, dtype: str | None, batch: int | None, seq: int | None, progress: Any) -> Any:
-        """:func:`sacplan.collect.collect` of this model."""
-        from sacplan.collect import _parse_dtype, collect
-
-        if self.preset is not None:
-            p = self.preset
-            if not self.overrides:
-                return collect(p.name, device=device, dtype=dtype, batch=batch, seq=seq, progress=progress)
-            td = _parse_dtype(dtype)
-            overrides = dict(self.overrides)
-            return collect(
-                lambda: p.build(dtype=td, **overrides),
-                lambda: p.example_inputs(batch, seq, dtype=td if td is not None and td.is_floating_point else None),
-                device=device,
-                loss_fn=p.loss_fn,
-                model_name=self.label,
-                progress=progress,
-            )
-        model, inputs, opt = self._user()
-        kw: dict[str, Any] = {}
-        if opt is not None:
-            kw["optimizer"] = opt
-        return collect(model, inputs, device=device, dtype=dtype, model_name=self.label, progress=progress, **kw)
-
-    def validation_fns(self, batch: int | None, seq: int | None) -> tuple[Callable[[], Any], Callable[[], Any], Any, Any]:
-        """``(model_fn, inputs_fn, loss_fn, optimizer)`` for :func:`sacplan.validate.validate`."""
-        if self.preset is not None:
-            p, ov = self.preset, dict(self.overrides or {})
-            return (lambda: p.build(**ov)), (lambda: p.example_inputs(batch, seq)), p.loss_fn, None
-        model, inputs, opt = self._user()
-        if inputs is None:
-            raise _UsageError(f"{self.label}: validate needs inputs; make the factory return (model, inputs)")
-        state = {"first": True}
-
-        def model_fn() -> Any:
-            if state["first"]:  # reuse the model built above once, then build fresh ones
-                state["first"] = False
-                return model
-            return self._user()[0]
-
-        return model_fn, (lambda: inputs), None, opt
-
-
-def load_model_spec(model: str, *, layers: int | None = None) -> ModelSpec:
-    """Resolve MODEL: a preset name or ``path/to/file.py:factory`` (the file is imported with importlib).
-
-    Raises:
-        ConfigError: unknown preset, missing file, missing or non-callable factory (exit code 2).
-    """
-    if ":" in model and model.rsplit(":", 1)[0].endswith(".py") or model.endswith(".py"):
-        if layers is not None:
-            raise _UsageError("--layers only applies to presets")
-        path_s, _, func = model.rpartition(":") if not model.endswith(".py") else (model, ":", "")
-        if not func:
-            raise _UsageError(f"model {model!r}: name the factory function, e.g. {model}:build_model")
-        path = Path(path_s)
-        if not path.is_file():
-            raise _UsageError(f"model file {path_s!r} does not exist")
-        name = "_sacplan_user_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise _UsageError(f"cannot import {path_s!r} as a Python file")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        try:
-            spec.loader.exec_module(mod)
-        except Exception as e:  # the user's file failed at import time
-            raise SacplanError(f"importing {path_s!r} failed: {type(e).__name__}: {e}") from e
-        fn = getattr(mod, func, None)
-        if fn is None:
-            have = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_"))[:8]
-            raise _UsageError(f"{path_s!r} has no function {func!r} (callables defined there: {', '.join(have) or 'none'})")
-        if not callable(fn):
-            raise _UsageError(f"{path_s}:{func} is not callable")
-        return ModelSpec(label=f"{path.name}:{func}", factory=fn)
-    from sacplan.models import get_model
-
-    preset = get_model(model)  # ConfigError (exit 2) for unknown names, with suggestions
-    if layers is not None:
-        if not hasattr(preset.config, "n_layers"):
-            raise _UsageError(f"--layers does not apply to {preset.name}")
-        return ModelSpec(label=f"{preset.name} ({layers} layers)", preset=preset, overrides={"n_layers": int(layers)})
-    return ModelSpec(label=preset.name, preset=preset)
-
-
 # -------------------------------------------------------------------------------------------------------
 # Output
 # -------------------------------------------------------------------------------------------------------
-def _gib(n: float) -> str:
-    """Bytes in GiB for messages, with MiB added for small values."""
-    return f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / GiB:.4g} GiB ({n / MiB:.2f} MiB)"
-
-
 def format_plan(plan: Any, extra: Sequence[str] = ()) -> str:
-    """A readable table of a plan: header numbers, then one row per checkpointed module.
-
-    Sizes are in GiB, or MiB for models whose baseline peak is under 1 GiB.
-    """
-    uname, u = ("GiB", GiB) if plan.baseline_peak_bytes >= GiB else ("MiB", MiB)
-    gap = plan.gap
-    solver = (
-        f"{plan.solver}: {plan.status}" + (f", gap {100 * gap:.3f}%" if isinstance(gap, float) and math.isfinite(gap) else "")
-        if plan.solver
-        else plan.status
-    )
-    step = plan.baseline_step_ms + plan.recompute_ms
-    lines = [
-        f"SAC plan: {plan.model_name or '<model>'} on {plan.device_name or '<device>'}, world size {plan.world_size}",
-        *[f"  {x}" for x in extra],
-        f"  budget               {plan.budget_bytes / u:9.3f} {uname}",
-        f"  no-AC baseline peak  {plan.baseline_peak_bytes / u:9.3f} {uname}",
-        f"  predicted peak       {plan.predicted_peak_bytes / u:9.3f} {uname}  ({plan.saved_bytes / u:.3f} {uname} saved)",
-        f"  step                 {step:9.2f} ms   ({plan.baseline_step_ms:.2f} ms + {plan.recompute_ms:.2f} ms "
-        f"recompute, {100 * plan.overhead:.1f}% overhead)",
-        f"  solver               {solver} (build {plan.build_s:.2f} s, solve {plan.solve_s:.2f} s)",
-    ]
-    if plan.min_feasible_bytes is not None:
-        lines.append(f"  minimum feasible     {plan.min_feasible_bytes / u:9.3f} {uname}")
-    if not plan.decisions:
-        lines.append("  no module needs checkpointing: the model fits the budget as is")
-        return "\n".join(lines)
-    w = max(6, *(len(d.fqn or "<root>") for d in plan.decisions))
-    lines.append("")
-    lines.append(f"  {'module':<{w}}  {'checkpointed':<12}  {'discard %':>9}  {'saved ' + uname:>9}  {'recompute ms':>12}")
-    tot_b = tot_ms = 0.0
-    for d in plan.decisions:
-        kind = "full" if d.full_checkpoint else "selective"
-        saved = d.discard_bytes * d.calls
-        tot_b += saved
-        tot_ms += d.recompute_ms
-        lines.append(
-            f"  {d.fqn or '<root>':<{w}}  {kind:<12}  {100 * d.discard_ratio:9.1f}  {saved / u:9.3f}  {d.recompute_ms:12.3f}"
-        )
-    lines.append(f"  {'total (' + str(len(plan.decisions)) + ' modules)':<{w}}  {'':<12}  {'':>9}  {tot_b / u:9.3f}  {tot_ms:12.3f}")
-    return "\n".join(lines)
+    """The plan's table, :meth:`sacplan.plan.Plan.summary` (one formatter for the CLI and Python)."""
+    return plan.summary(extra)
 
 
 def _devices_table() -> str:
@@ -265,11 +98,21 @@ def _job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]
     from sacplan.devices import get_device
     from sacplan.units import parse_budget
 
-    default_job = args.model is None
-    model = DEFAULT_MODEL if default_job else args.model
-    batch = args.batch if args.batch is not None else (DEFAULT_BATCH if default_job else None)
-    seq = args.seq if args.seq is not None else (DEFAULT_SEQ if default_job else None)
-    spec = load_model_spec(model, layers=args.layers)
+    spec = load_model_spec(args.model or DEFAULT_MODEL, layers=args.layers)
+    batch, seq = args.batch, args.seq
+    if spec.preset is None:
+        given = [f for f, v in (("--batch", batch), ("--seq", seq)) if v is not None]
+        if given:
+            raise _UsageError(
+                f"{' and '.join(given)} apply to presets only; a file model's factory makes its own inputs "
+                "(return dict(model=..., inputs=...) with the shapes you want)"
+            )
+    else:  # the preset's defaults, resolved here so the header states them
+        batch = spec.preset.default_batch if batch is None else batch
+        if spec.preset.default_seq is not None:
+            seq = spec.preset.default_seq if seq is None else seq
+        elif seq is not None:
+            raise _UsageError(f"--seq does not apply to {spec.preset.name} (an image model); use --batch")
     dtype = args.dtype if args.dtype is not None else (DEFAULT_DTYPE if spec.preset is not None else None)
     device = get_device(args.device)
     # Parsed here only to fail fast; the *string* goes to solve(), because an int below 1 MiB would be
@@ -420,19 +263,51 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from sacplan.models import list_models
+
+    presets = list_models()
+    if args.json:
+        _dump([{"name": p.name, "description": p.description, "default_batch": p.default_batch,
+                "default_seq": p.default_seq} for p in presets])
+        return EXIT_OK
+    rows = [("model", "default inputs", "description")]
+    for p in presets:
+        inputs = f"batch {p.default_batch}" + (f" x seq {p.default_seq}" if p.default_seq is not None else "")
+        rows.append((p.name, inputs, p.description))
+    w = [max(len(r[i]) for r in rows) for i in range(2)]
+    print("\n".join(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]}" for r in rows))
+    print("\nor your own model: path/to/file.py:factory (see `sacplan plan --help`)")
+    return EXIT_OK
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from sacplan.plan import load_plan
     from sacplan.validate import validate
 
+    if args.device is not None:
+        raise _UsageError(
+            "validate runs real steps on this machine: use --on cpu or --on cuda (--device names a target GPU; "
+            "the plan's target is fixed when it is made)"
+        )
     spec = load_model_spec(args.model, layers=args.layers)
+    if spec.preset is None and (args.batch is not None or args.seq is not None):
+        raise _UsageError("--batch/--seq apply to presets only; a file model's factory makes its own inputs")
     plan = load_plan(args.plan)
     model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
-    kw: dict[str, Any] = {"device": args.device}
+    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args)}
     if loss_fn is not None:
         kw["loss_fn"] = loss_fn
     if opt is not None:
         kw["optimizer"] = opt
-    report = validate(model_fn, inputs_fn, plan, **kw)
+    try:
+        report = validate(model_fn, inputs_fn, plan, **kw)
+    except PlanMismatchError as e:
+        raise _UsageError(
+            f"{args.plan} was made for {plan.model_name or 'another model'} ({len(plan.decisions)} modules "
+            f"checkpointed), not {spec.label}: run `sacplan validate {plan.model_name or 'MODEL'} --plan {args.plan}`, "
+            f"or make a plan for this model with `sacplan plan {args.model} -o PLAN.json` ({_one_line(e)})"
+        ) from e
     print(report.summary())
     if not report.grads_match:
         print("sacplan: error: gradients with the plan differ from those without it", file=sys.stderr)
@@ -471,13 +346,13 @@ def _positive_float(s: str) -> float:
 def _model_args(p: argparse.ArgumentParser, *, optional_model: bool) -> None:
     if optional_model:
         p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help=f"preset name or path/to/file.py:factory (default: {DEFAULT_MODEL}, batch {DEFAULT_BATCH}, "
-                            f"seq {DEFAULT_SEQ}, {DEFAULT_DTYPE})")
+                       help=f"preset name (`sacplan models`) or path/to/file.py:factory (see below; default: "
+                            f"{DEFAULT_MODEL}, batch 3, seq 8192, {DEFAULT_DTYPE})")
     else:
-        p.add_argument("model", metavar="MODEL", help="preset name or path/to/file.py:factory")
+        p.add_argument("model", metavar="MODEL", help="preset name (`sacplan models`) or path/to/file.py:factory (see below)")
     p.add_argument("--device", default=DEFAULT_DEVICE, help="target GPU (see `sacplan devices`; default h100)")
-    p.add_argument("--batch", type=_positive_int, default=None, help="batch size (presets)")
-    p.add_argument("--seq", type=_positive_int, default=None, help="sequence length (Llama presets)")
+    p.add_argument("--batch", type=_positive_int, default=None, help="batch size (presets only; default: the preset's)")
+    p.add_argument("--seq", type=_positive_int, default=None, help="sequence length (Llama presets only; default: the preset's)")
     p.add_argument("--dtype", default=None, help="parameter dtype: bf16, fp16, fp32 (default bf16 for presets)")
     p.add_argument("--layers", type=_positive_int, default=None, help="override the preset's number of layers")
     p.add_argument("--world-size", type=_positive_int, default=None,
@@ -498,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sacplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    p = sub.add_parser("plan", help="collect, solve and print a plan")
+    p = sub.add_parser("plan", help="collect, solve and print a plan", epilog=FACTORY_CONTRACT,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p, optional_model=True)
     p.add_argument("--budget", default=None,
                    help="per-GPU memory budget: 60GiB, 64GB, 60 (GiB) or 80%% of the device (default 80%%)")
@@ -509,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "best possible recompute and a lower bound beside this plan's")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("sweep", help="recompute time versus budget (Pareto front)")
+    p = sub.add_parser("sweep", help="recompute time versus budget (Pareto front)", epilog=FACTORY_CONTRACT,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p, optional_model=True)
     p.add_argument("--points", type=int, default=8, help="budgets from minimum feasible to the no-AC peak (default 8)")
     p.add_argument("--budgets", default=None, help="comma-separated budgets instead, e.g. 40GiB,50GiB,60GiB")
@@ -522,17 +399,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("devices", help="list known GPUs")
+    p = sub.add_parser("devices", help="list known target GPUs (for --device)")
     p.add_argument("--json", action="store_true", help="print the devices as JSON")
     p.set_defaults(func=cmd_devices)
+
+    p = sub.add_parser("models", help="list built-in model presets (for MODEL)")
+    p.add_argument("--json", action="store_true", help="print the presets as JSON")
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("validate", help="run real steps with and without a plan and compare with the prediction")
     p.add_argument("model", metavar="MODEL", help="preset name or path/to/file.py:factory (keep it small)")
     p.add_argument("--plan", required=True, metavar="PLAN.json")
-    p.add_argument("--device", default="cpu", help="where to run the real steps: cpu or cuda (default cpu)")
+    p.add_argument("--on", choices=("cpu", "cuda"), default="cpu", help="where to run the real steps (default cpu)")
+    p.add_argument("--device", default=None, help=argparse.SUPPRESS)  # refused with a pointer to --on
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_validate)
     return parser
 
@@ -564,9 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = one_line_warning
             return int(args.func(args))
     except InfeasibleBudgetError as e:
+        smaller = "a smaller batch in your factory's inputs" if is_file_model(getattr(args, "model", None)) else "lower --batch/--seq"
         print(
-            f"sacplan: error: budget {_gib(e.budget_bytes)} is infeasible; minimum feasible budget is "
-            f"{_gib(e.min_feasible_bytes)} (raise --budget, lower --batch/--seq, or raise --world-size)",
+            f"sacplan: error: budget {fmt_bytes(e.budget_bytes)} is infeasible; minimum feasible budget is "
+            f"{fmt_bytes(e.min_feasible_bytes)} (raise --budget, {smaller}, or raise --world-size)",
             file=sys.stderr,
         )
         return EXIT_INFEASIBLE

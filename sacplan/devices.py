@@ -285,10 +285,7 @@ _ALIASES: dict[str, str] = {
     "h100pcie80gb": "H100-PCIe",
     "h200sxm": "H200",
     "h200141gb": "H200",
-    "a100": "A100-80GB",
     "a10080g": "A100-80GB",
-    "a100sxm": "A100-80GB",
-    "a100sxm4": "A100-80GB",
     "a100sxm480gb": "A100-80GB",
     "a100sxm80gb": "A100-80GB",
     "a10040g": "A100-40GB",
@@ -302,6 +299,14 @@ _ALIASES: dict[str, str] = {
     "instinctmi300x": "MI300X",
     "amdmi300x": "MI300X",
     "host": "cpu",
+}
+
+#: Names that fit more than one device (normalised, see _norm) -> the devices they may mean; get_device
+#: lists them instead of guessing.
+_AMBIGUOUS: dict[str, tuple[str, ...]] = {
+    "a100": ("A100-40GB", "A100-80GB"),
+    "a100sxm": ("A100-40GB", "A100-80GB"),
+    "a100sxm4": ("A100-40GB", "A100-80GB"),
 }
 
 _VENDOR_WORDS = ("nvidia", "amd", "geforce", "instinct", "tesla")
@@ -333,12 +338,12 @@ def get_device(name_or_spec: str | DeviceSpec) -> DeviceSpec:
 
     Names are matched case-insensitively, ignoring ``-``, ``_``, ``.`` and spaces, and a leading vendor
     word (``NVIDIA``, ``AMD``, ``GeForce``, ``Instinct``), so ``"h100"``, ``"H100 SXM5"``,
-    ``"NVIDIA H100 80GB HBM3"``, ``"h100pcie"``, ``"a100"`` (the 80 GB SXM part), ``"a100-40g"``,
+    ``"NVIDIA H100 80GB HBM3"``, ``"h100pcie"``, ``"a100-80gb"``, ``"a100-40g"``,
     ``"4090"``, ``"mi300x"`` and ``"cpu"`` all work.
 
     Raises:
-        UnknownDeviceError: the name matches no device; the message lists the known names and the
-            closest matches.
+        UnknownDeviceError: the name matches no device (the message lists the known names and the
+            closest matches) or more than one (``"a100"``: 40 GB or 80 GB; the message lists them).
     """
     if isinstance(name_or_spec, DeviceSpec):
         return name_or_spec
@@ -350,6 +355,10 @@ def get_device(name_or_spec: str | DeviceSpec) -> DeviceSpec:
     key = table.get(_norm(name_or_spec))
     if key is not None:
         return DEVICES[key]
+    either = _AMBIGUOUS.get(_norm(name_or_spec))
+    if either:
+        opts = " or ".join(f"{k.lower()} ({DEVICES[k].memory_bytes / 2**30:.1f} GiB)" for k in either)
+        raise UnknownDeviceError(f"device {name_or_spec!r} is ambiguous: name one of {opts}")
     close = difflib.get_close_matches(_norm(name_or_spec), list(table), n=3, cutoff=0.5)
     suggestions = list(dict.fromkeys(table[c] for c in close))
     hint = f" Did you mean {', '.join(repr(s) for s in suggestions)}?" if suggestions else ""

@@ -13,14 +13,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from sacplan.errors import ConfigError, PlanError
+from sacplan.units import fmt_bytes
 
 #: Version of the dict layout produced by :meth:`Plan.to_dict`.
 PLAN_SCHEMA_VERSION = 1
 
-_GiB = 2**30
+
+
+def _ms(x: float) -> str:
+    """Milliseconds for people: three significant digits, no ``0.000 ms`` for a small nonzero time."""
+    if x == 0:
+        return "0 ms"
+    if abs(x) >= 100:
+        return f"{x:.0f} ms"
+    return f"{x:.3g} ms"
 
 
 def _json_float(x: float) -> float | str:
@@ -180,40 +189,46 @@ class Plan:
         """Recompute time as a fraction of the baseline step time."""
         return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
 
-    def summary(self) -> str:
-        """A human-readable table of the plan."""
+    def summary(self, extra: Sequence[str] = ()) -> str:
+        """A human-readable table of the plan (what ``sacplan plan`` and ``sacplan show`` print).
+
+        Sizes are printed in the unit their magnitude calls for (GiB, MiB, KiB), times in ms with three
+        significant digits. ``extra`` lines (e.g. batch and sequence length) go under the title.
+        """
+        step = self.baseline_step_ms + self.recompute_ms
+        gap = self.gap
+        solver = (
+            f"{self.solver}: {self.status}" + (f", gap {100 * gap:.3g}%" if math.isfinite(gap) else "")
+            if self.solver
+            else self.status
+        )
         lines = [
-            f"SAC plan for {self.model_name or '<model>'} on {self.device_name or '<device>'} "
-            f"(world size {self.world_size})",
-            f"  budget    {self.budget_bytes / _GiB:9.3f} GiB",
-            f"  baseline  {self.baseline_peak_bytes / _GiB:9.3f} GiB peak (no checkpointing)",
-            f"  predicted {self.predicted_peak_bytes / _GiB:9.3f} GiB peak "
-            f"({(self.baseline_peak_bytes - self.predicted_peak_bytes) / _GiB:+.3f} GiB saved)",
-            f"  recompute {self.recompute_ms:9.3f} ms/step"
-            + (f" ({100 * self.overhead:.1f}% of the {self.baseline_step_ms:.2f} ms step)" if self.baseline_step_ms else ""),
-            f"  solver    {self.solver or '-'}: {self.status}"
-            + (f", gap {100 * self.gap:.4f}%" if self.solver and math.isfinite(self.gap) else "")
-            + (f", objective {self.objective_ms:.3f} ms, bound {self.bound_ms:.3f} ms" if self.solver else "")
-            + f" (build {self.build_s:.2f} s, solve {self.solve_s:.2f} s)",
+            f"SAC plan: {self.model_name or '<model>'} on {self.device_name or '<device>'}, world size {self.world_size}",
+            *[f"  {x}" for x in extra],
+            f"  budget               {fmt_bytes(self.budget_bytes)}",
+            f"  no-AC baseline peak  {fmt_bytes(self.baseline_peak_bytes)}",
+            f"  predicted peak       {fmt_bytes(self.predicted_peak_bytes)}  ({fmt_bytes(self.saved_bytes)} saved)",
+            f"  step                 {_ms(step)}  ({_ms(self.baseline_step_ms)} + {_ms(self.recompute_ms)} recompute, "
+            f"{100 * self.overhead:.1f}% overhead)",
+            f"  solver               {solver} (build {self.build_s:.2f} s, solve {self.solve_s:.2f} s)",
         ]
         if self.min_feasible_bytes is not None:
-            lines.append(f"  minimum feasible budget {self.min_feasible_bytes / _GiB:.3f} GiB")
+            lines.append(f"  minimum feasible     {fmt_bytes(self.min_feasible_bytes)}")
         if not self.decisions:
-            lines.append("  no module is checkpointed")
+            lines.append("  no module is checkpointed: the model fits the budget as is")
             return "\n".join(lines)
-        w = max(6, max(len(d.fqn or "<root>") for d in self.decisions))
+        w = max(6, *(len(d.fqn or "<root>") for d in self.decisions))
         lines.append("")
-        lines.append(f"  {'module':<{w}}  {'calls':>5}  {'discard':>8}  {'freed GiB':>10}  {'recompute ms':>12}  policy")
+        lines.append(f"  {'module':<{w}}  {'calls':>5}  {'discard':>7}  {'freed':>10}  {'recompute':>11}  policy")
         for d in self.decisions:
-            policy = (
-                "full"
-                if d.full_checkpoint
-                else ("ratio only" if d.saved_ops is None else f"save {len(d.saved_ops)} op(s)")
-            )
+            policy = "full" if d.full_checkpoint else ("ratio only" if d.saved_ops is None else f"save {len(d.saved_ops)} op(s)")
             lines.append(
-                f"  {d.fqn or '<root>':<{w}}  {d.calls:>5}  {100 * d.discard_ratio:7.2f}%  "
-                f"{d.discard_bytes * d.calls / _GiB:10.3f}  {d.recompute_ms:12.3f}  {policy}"
+                f"  {d.fqn or '<root>':<{w}}  {d.calls:>5}  {100 * d.discard_ratio:6.1f}%  "
+                f"{fmt_bytes(d.discard_bytes * d.calls):>10}  {_ms(d.recompute_ms):>11}  {policy}"
             )
+        freed = sum(d.discard_bytes * d.calls for d in self.decisions)
+        total = f"total ({len(self.decisions)} modules)"
+        lines.append(f"  {total:<{w}}  {'':>5}  {'':>7}  {fmt_bytes(freed):>10}  {_ms(self.recompute_ms):>11}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -346,7 +361,10 @@ def _save(self: Plan, path: Any) -> Any:
         raise ConfigError(
             f"cannot write plan file {str(p)!r}: {e.strerror or e} (folder {str(p.parent)!r}); choose a writable folder"
         ) from None
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would (mkstemp makes 0600)
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
             f.flush()
@@ -419,6 +437,11 @@ def load_plan(path: Any, model: Any = None) -> Plan:
         raise PlanError(f"plan file {str(p)!r} is damaged (not valid JSON at line {e.lineno}, column {e.colno}): {e.msg}") from e
     except (ValueError, RecursionError) as e:  # NaN/Infinity literals, absurd nesting
         raise PlanError(f"plan file {str(p)!r} is damaged: {e}") from None
+    if isinstance(doc, dict) and doc.get("schema") == "sacplan.plan":
+        raise PlanError(
+            f"{str(p)!r} holds `sacplan plan --json` output, not a plan file: write plan files with "
+            "`sacplan plan ... -o plan.json` (or Plan.save)"
+        )
     if not isinstance(doc, dict) or doc.get("schema") != "sacplan.plan-file":
         raise PlanError(f"{str(p)!r} is not a sacplan plan file (missing schema 'sacplan.plan-file')")
     version = doc.get("version")

@@ -19,6 +19,7 @@ choices are evaluated on those stats with :func:`sacplan.evaluate.predict`.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -48,7 +49,8 @@ class Measurement:
     Attributes:
         peak_bytes: peak bytes during the step (see ``method``).
         tracker_peak_bytes: sacplan's tracker on the real tensors (CPU cross-check; ``None`` on CUDA).
-        step_ms: wall (CPU) or CUDA-event (GPU) time of the step, ms.
+        step_ms: median wall (CPU) or CUDA-event (GPU) time of the timed steps after warm-up, ms (without
+            the profiler that measures the peak).
         flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas).
         method: how ``peak_bytes`` was measured.
     """
@@ -77,6 +79,8 @@ class ValidationReport:
     max_grad_abs_diff: float
     grads_match: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    plan_device_name: str = ""
+    timed_steps: int = 1
 
     @property
     def measured_recompute_flops(self) -> int:
@@ -92,14 +96,15 @@ class ValidationReport:
         return (self.baseline.peak_bytes - self.predicted_baseline_peak_bytes) / max(1, self.baseline.peak_bytes)
 
     def summary(self) -> str:
+        timed = f" (median of {self.timed_steps} after warm-up)" if self.timed_steps > 1 else ""
         rows = [
-            ("", "predicted", "measured", "error"),
+            ("", f"predicted for this host ({self.host})", "measured", "error"),
             ("peak, no plan", fmt_bytes(self.predicted_baseline_peak_bytes), fmt_bytes(self.baseline.peak_bytes), f"{self.baseline_peak_error:+.2%}"),
             ("peak, with plan", fmt_bytes(self.predicted_peak_bytes), fmt_bytes(self.planned.peak_bytes), f"{self.peak_error:+.2%}"),
             ("recomputed GFLOP", f"{self.predicted_recompute_flops / 1e9:.4f}", f"{self.measured_recompute_flops / 1e9:.4f}",
              "exact" if self.predicted_recompute_flops == self.measured_recompute_flops else f"{self.measured_recompute_flops - self.predicted_recompute_flops:+d}"),
-            ("step ms, no plan", "", f"{self.baseline.step_ms:.2f}", ""),
-            ("step ms, with plan", "", f"{self.planned.step_ms:.2f}", ""),
+            (f"step ms, no plan{timed}", "", f"{self.baseline.step_ms:.2f}", ""),
+            (f"step ms, with plan{timed}", "", f"{self.planned.step_ms:.2f}", ""),
         ]
         w = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [f"validation on {self.host} ({self.method})"]
@@ -112,6 +117,12 @@ class ValidationReport:
             lines.append(
                 f"tracker on real tensors: no plan {fmt_bytes(self.baseline.tracker_peak_bytes)}, "
                 f"with plan {fmt_bytes(self.planned.tracker_peak_bytes or 0)}"
+            )
+        if self.plan_predicted_peak_bytes is not None:
+            lines.append(
+                f"the plan's own prediction, for its target {self.plan_device_name or '(unknown)'}: peak "
+                f"{fmt_bytes(self.plan_predicted_peak_bytes)} (re-predicted above for this host, whose sizes and "
+                "kernels differ, so it can be measured here)"
             )
         lines += list(self.notes)
         return "\n".join(lines)
@@ -219,6 +230,17 @@ def _flops(model: nn.Module, args: tuple, loss_fn: Callable[[Any, tuple], torch.
     return int(fc.get_total_flops())
 
 
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of one call of ``step`` (CUDA-synchronised on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def validate(
     model_fn: Callable[[], nn.Module],
     inputs_fn: Callable[[], Any],
@@ -231,6 +253,8 @@ def validate(
     seed: int = 0,
     grad_rtol: float = 1e-5,
     grad_atol: float = 1e-6,
+    timed_steps: int = 3,
+    progress: Callable[[str], None] | None = None,
 ) -> ValidationReport:
     """Run real steps without and with ``plan`` and compare with the predictions (see module docstring).
 
@@ -243,6 +267,9 @@ def validate(
         device: ``"cuda"`` or ``"cpu"`` (default: CUDA when available).
         dtype: cast the model to this dtype.
         grad_rtol, grad_atol: tolerance when gradients are not bitwise equal (nondeterministic kernels).
+        timed_steps: steps timed (without the profiler) after the warm-up and measured steps; their median
+            is the reported step time.
+        progress: called with a short line before each stage (for CLIs: real steps can take minutes).
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA.
@@ -267,6 +294,8 @@ def validate(
         m = model_fn()
         return m.to(dtype) if dtype is not None else m
 
+    say = progress or (lambda _s: None)
+    say(f"predicting for this host ({dev.type}): one fake step")
     stats = collect(build, raw_inputs, device=spec, optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
@@ -278,6 +307,7 @@ def validate(
     pred = predict(tree, choices)
 
     def run(with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
+        say(f"real steps {'with' if with_plan else 'without'} the plan: warm-up, measured peak, {timed_steps} timed")
         model = build().to(dev)
         model.train()
         if with_plan:
@@ -302,6 +332,9 @@ def validate(
             model.zero_grad(set_to_none=True)
 
         peak, tracker, ms = measure_step(model, args, step, opt, dev)
+        times = [_timed(step, dev) for _ in range(max(0, timed_steps))]
+        if times:
+            ms = statistics.median(times)
         torch.manual_seed(seed + 3)
         flops = _flops(model, args, loss)
         if with_plan:
@@ -330,4 +363,6 @@ def validate(
         grads_bitwise_equal=bitwise,
         max_grad_abs_diff=max(diffs, default=0.0),
         grads_match=close,
+        plan_device_name=str(getattr(plan, "device_name", "") or ""),
+        timed_steps=max(1, timed_steps),
     )

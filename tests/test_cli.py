@@ -43,7 +43,7 @@ def test_plan_writes_a_file_that_loads(plan_file, capsys):
 def test_plan_table(capsys):
     assert main(["plan", *TINY, "--budget", "1.75MiB"]) == 0
     out = capsys.readouterr().out
-    for key in ("no-AC baseline peak", "predicted peak", "checkpointed", "discard %", "recompute ms", "highs: optimal"):
+    for key in ("no-AC baseline peak", "predicted peak", "discard", "freed", "recompute", "policy", "highs: optimal"):
         assert key in out  # --solver auto: HiGHS, installed with the [test] extra
     assert "feed_forward" in out
     assert main(["plan", *TINY, "--budget", "1.75MiB", "--solver", "cbc"]) == 0
@@ -62,13 +62,17 @@ def test_plan_json(capsys):
 
 def test_plan_not_needed_with_default_budget(capsys):
     assert main(["plan", *TINY]) == 0  # 80% of an H100
-    assert "no module needs checkpointing" in capsys.readouterr().out
+    assert "no module is checkpointed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "argv, code, needle",
     [
         (["plan", *TINY, "--device", "h900"], 2, "unknown device"),
+        (["plan", *TINY, "--device", "tpu"], 2, "unknown device 'tpu'"),
+        (["plan", *TINY, "--device", "a100"], 2, "ambiguous: name one of a100-40gb"),
+        (["validate", "llama-tiny", "--plan", "p.json", "--device", "cpu"], 2, "use --on cpu or --on cuda"),
+        (["plan", "cnn-tiny", "-q", "--seq", "64"], 2, "--seq does not apply to cnn-tiny"),
         (["plan", *TINY, "--budget", "lots"], 2, "cannot parse memory budget"),
         (["plan", *TINY, "--budget", "1MiB"], 3, "minimum feasible"),
         (["plan", "no/such/file.py:build", "-q"], 2, "does not exist"),
@@ -84,11 +88,11 @@ def test_bad_arguments(argv, code, needle, capsys):
     assert needle in line
 
 
-def test_infeasible_message_states_gib(capsys):
+def test_infeasible_message_states_the_minimum_readably(capsys):
     assert main(["plan", *TINY, "--budget", "1MiB"]) == 3
     line, _ = _err_line(capsys)
     # 1.25 MiB: norm leaves are checkpoint candidates too (1.38 MiB when only non-leaf modules were)
-    assert "minimum feasible budget is 0.001251 GiB" in line
+    assert "budget 1.00 MiB is infeasible; minimum feasible budget is 1.28 MiB" in line
 
 
 def test_factory_file_errors(tmp_path, capsys):
@@ -102,23 +106,30 @@ def test_factory_file_errors(tmp_path, capsys):
     assert "name the factory function" in line
 
 
-def test_factory_file_with_inputs(tmp_path, capsys):
+MLP = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 64)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) + x
+
+def model():
+    return nn.Sequential(*[Block() for _ in range(3)])
+"""
+
+
+def test_factory_file_dict_with_labels_and_loss(tmp_path, capsys):
     f = tmp_path / "mlp.py"
-    f.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-
-        class Block(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.a = nn.Linear(64, 256)
-                self.b = nn.Linear(256, 64)
-            def forward(self, x):
-                return self.b(torch.relu(self.a(x))) + x
-
+    f.write_text(MLP + textwrap.dedent("""
         def build():
-            model = nn.Sequential(*[Block() for _ in range(3)])
-            return model, (torch.randn(512, 64),), lambda ps: torch.optim.SGD(ps, lr=0.1)
+            x, labels = torch.randn(512, 64), torch.randint(0, 64, (512,))
+            return dict(model=model(), inputs=(x,), loss_fn=lambda out, inputs: nn.functional.cross_entropy(out, labels),
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     """))
     assert main(["plan", f"{f}:build", "-q", "--device", "a100-40gb", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -126,6 +137,86 @@ def test_factory_file_with_inputs(tmp_path, capsys):
     assert main(["sweep", f"{f}:build", "-q", "--points", "3"]) == 0
     out = capsys.readouterr().out
     assert "full AC (3 blocks)" in out
+    assert main(["plan", f"{f}:build", "-q", "--budget", "1KiB"]) == 3
+    line, _ = _err_line(capsys)
+    assert "a smaller batch in your factory's inputs" in line and "--batch" not in line
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("return model()", "returned a model but no inputs: return a dict with one batch of inputs and the loss, "
+                           "e.g. return dict(model=model, inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, y))"),
+        ("return [model()]", "returned list; it must return dict(model=..., inputs=..., loss_fn=..., optimizer=...)"),
+        ("return dict(model=model(), inputs=torch.randn(2, 64), labels=1)", "unknown keys ['labels']"),
+        ("return dict(model=model())", "returned no inputs"),
+        ("return dict(model=model(), inputs=torch.randn(2, 64), loss_fn=3)", "'loss_fn' must be callable"),
+    ],
+)
+def test_factory_errors_say_what_to_return(tmp_path, capsys, body, needle):
+    f = tmp_path / "mlp.py"
+    f.write_text(MLP + f"\ndef build():\n    {body}\n")
+    assert main(["plan", f"{f}:build", "-q"]) == 2
+    line, _ = _err_line(capsys)
+    assert needle in line
+
+
+def test_factory_tuple_form_still_accepted():
+    import torch
+
+    from sacplan.cli_models import parse_factory_output
+
+    m, x = torch.nn.Linear(2, 2), torch.randn(1, 2)
+    assert parse_factory_output((m, x), "f") == (m, x, None, None)
+    opt = lambda ps: None  # noqa: E731
+    assert parse_factory_output((m, x, opt), "f") == (m, x, None, opt)
+
+
+def test_batch_and_seq_refused_for_file_models(tmp_path, capsys):
+    f = tmp_path / "mlp.py"
+    f.write_text(MLP + "\ndef build():\n    return dict(model=model(), inputs=torch.randn(2, 64))\n")
+    assert main(["plan", f"{f}:build", "-q", "--batch", "4", "--seq", "8"]) == 2
+    line, _ = _err_line(capsys)
+    assert "--batch and --seq apply to presets only" in line
+    assert main(["validate", f"{f}:build", "--plan", "p.json", "--batch", "4"]) == 2
+    line, _ = _err_line(capsys)
+    assert "--batch/--seq apply to presets only" in line
+
+
+def test_help_states_the_factory_contract(capsys):
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "dict(model=..., inputs=..., loss_fn=..., optimizer=...)" in out and "labels" in out
+
+
+def test_default_job_is_the_default_model_job():
+    from sacplan.cli import _job, build_parser
+
+    parse = build_parser().parse_args
+    spec0, dev0, budget0, knobs0 = _job(parse(["plan"]))
+    spec1, dev1, budget1, knobs1 = _job(parse(["plan", "llama-1b"]))
+    assert (spec0.label, dev0, budget0, knobs0) == (spec1.label, dev1, budget1, knobs1)
+    assert knobs0 == {"batch": 3, "seq": 8192, "dtype": "bf16"}
+
+
+def test_plan_header_states_batch_and_seq(capsys):
+    assert main(["plan", *TINY]) == 0
+    assert "  batch 2, seq 64, dtype bf16" in capsys.readouterr().out
+
+
+def test_models(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-1b" in out and "batch 3 x seq 8192" in out and "cnn-tiny" in out and "file.py:factory" in out
+    assert main(["models", "--json"]) == 0
+    assert "llama-70b" in [m["name"] for m in json.loads(capsys.readouterr().out)]
+
+
+def test_help_imports_no_torch():
+    code = "import sys, sacplan.cli as c; c.build_parser().format_help(); print('torch' in sys.modules, 'pulp' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
 
 
 def test_show(plan_file, capsys):
@@ -163,10 +254,14 @@ def test_devices(capsys):
     assert "H100-SXM" in names
 
 
-def test_validate_preset(plan_file, capsys):
-    assert main(["validate", "llama-tiny", "--plan", str(plan_file), "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
+def test_validate_preset(plan_file, capfd):
+    assert main(["validate", "llama-tiny", "--plan", str(plan_file), "--on", "cpu"]) == 0
+    out, err = capfd.readouterr()
     assert "peak, with plan" in out and "gradients" in out
+    assert "predicted for this host (cpu)" in out and "the plan's own prediction, for its target H100-SXM" in out
+    assert "step ms, with plan (median of 3 after warm-up)" in out
+    assert "sacplan: real steps with the plan" in err
+    assert "USDT" not in out + err  # the profiler's native log lines are filtered out
 
 
 def test_python_m_sacplan_devices():
@@ -186,3 +281,30 @@ def test_plan_certify(capsys):
     cert = d["certificate"]
     assert cert["proven"] and cert["lower_bound_ms"] <= cert["best_ms"] <= d["recompute_ms"] + 1e-12
     assert cert["budget_bytes"] == d["budget_bytes"]
+
+
+def test_plan_for_another_model_names_it(plan_file, capsys):
+    assert main(["validate", "cnn-tiny", "--plan", str(plan_file), "-q"]) == 2
+    line, _ = _err_line(capsys)
+    assert f"{plan_file} was made for llama-tiny" in line and "not cnn-tiny" in line
+    assert f"sacplan validate llama-tiny --plan {plan_file}" in line and "sacplan plan cnn-tiny -o PLAN.json" in line
+
+
+def test_show_a_json_dump_points_to_o(tmp_path, capsys):
+    dump = tmp_path / "x.json"
+    assert main(["plan", *TINY, "--json"]) == 0
+    dump.write_text(capsys.readouterr().out)
+    assert main(["show", str(dump)]) == 1
+    line, _ = _err_line(capsys)
+    assert "`sacplan plan --json` output, not a plan file" in line and "-o plan.json" in line
+
+
+def test_plan_file_mode_follows_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert main(["plan", *TINY, "-o", str(tmp_path / "p.json")]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p.json").stat().st_mode & 0o777 == 0o644

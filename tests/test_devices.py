@@ -36,7 +36,7 @@ def matmul_precision():
         ("h100pcie", "H100-PCIe"),
         ("H100-PCIe", "H100-PCIe"),
         ("h200", "H200"),
-        ("a100", "A100-80GB"),
+        ("a100-80g", "A100-80GB"),
         ("A100-80GB", "A100-80GB"),
         ("a100-40g", "A100-40GB"),
         ("a100 40gb", "A100-40GB"),
@@ -193,7 +193,7 @@ def test_flops_per_s_picks_half_precision_keys():
     assert h100.flops_per_s(torch.float16) == pytest.approx(989.4e12)
     assert h100.flops_per_s(torch.float8_e4m3fn) == pytest.approx(1978.9e12)
     # no fp8 on A100: falls back to the fp16 rate
-    assert get_device("a100").flops_per_s(torch.float8_e4m3fn) == pytest.approx(312e12)
+    assert get_device("a100-80gb").flops_per_s(torch.float8_e4m3fn) == pytest.approx(312e12)
 
 
 def test_flops_per_s_uses_tf32_only_when_torch_allows_it(matmul_precision):
@@ -335,3 +335,9 @@ def test_replace_and_validation():
         h100.replace(memory_bytes=0)
     with pytest.raises(ConfigError, match="unknown DeviceSpec field"):
         DeviceSpec.from_dict(h100.to_dict() | {"bogus": 1})
+
+
+@pytest.mark.parametrize("name", ["a100", "A100", "nvidia a100-sxm4"])
+def test_ambiguous_names_list_the_devices_instead_of_guessing(name):
+    with pytest.raises(UnknownDeviceError, match=r"ambiguous: name one of a100-40gb \(39\.\d GiB\) or a100-80gb \(79\.\d GiB\)"):
+        get_device(name)

@@ -27,11 +27,18 @@ def test_notebook_executes():
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "notebooks" / "explore.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "store the notebook without outputs"
-    nb.cells.insert(0, nbformat.v4.new_code_cell("import matplotlib\nmatplotlib.use('Agg')"))
+    # executed as users run it (no backend forced): the plot cells must show pictures, not "<Figure ...>"
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "\n".join(o.get("text", "") for o in outputs)
     assert "budget sweep for llama-small" in text
     assert "saved" in text and "validation on cpu" in text
+    plot_cells = [c for c in nb.cells if c.cell_type == "code" and c.source.strip().splitlines()[-1].startswith("plot_")]
+    assert len(plot_cells) == 3
+    for c in plot_cells:
+        images = [o for o in c.outputs if "image/png" in o.get("data", {})]
+        assert len(images) == 1, c.source + repr(c.outputs)[:500]
+        assert images[0]["data"]["image/png"].startswith("iVBOR")  # base64 of the PNG signature
 
 
 def test_train_loop():

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -24,10 +26,24 @@ def test_main_job_default_model():
     assert "SAC plan: llama-1b on H100-SXM" in r.stdout and "predicted peak" in r.stdout
 
 
+@pytest.mark.slow  # 30 s (Llama-7B, 8 ranks); the one-call block runs README Python in the default run
 def test_python_quick_start(tmp_path):
-    block = re.search(r"## Quick start \(Python\)\n\n```python\n(.*?)```", README, re.S).group(1)
-    env = dict(os.environ)
+    block = re.search(r"## Step by step \(Python\)\n\n```python\n(.*?)```", README, re.S).group(1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout, not an installed copy
     r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "plan.json").exists()
-    assert "SAC plan for llama-7b" in r.stdout
+    assert "SAC plan: llama-7b" in r.stdout
+
+
+def test_one_call_block(tmp_path):
+    """The "one call" example plans, applies and prints what the README says it prints."""
+    block = re.search(r"## Your own model, one call\n.*?```python\n(.*?)```", README, re.S).group(1)
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "plan.json").exists()
+    shown = re.search(r"It prints.*?```\n(.*?)```", README, re.S).group(1)
+    for line in shown.splitlines():
+        if "..." not in line:
+            assert line in r.stdout.splitlines(), line

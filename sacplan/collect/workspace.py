@@ -16,7 +16,8 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -42,6 +43,37 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
     return _CACHE[key]
 
 
+@contextlib.contextmanager
+def quiet_profiler_logs(prefix: str = "USDT:") -> Iterator[None]:
+    """Drop the profiler's native ``USDT: ... profiler_start/stop`` lines from file descriptor 2.
+
+    Kineto writes them from C++, past ``sys.stderr``. Everything else written to fd 2 meanwhile is passed
+    on when the block ends.
+    """
+    import os
+    import sys
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no usable fd 2 (embedded interpreters)
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True) if not ln.startswith(prefix)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def profiled_cpu_peak(fn: Any) -> int:
     """Peak of the CPU allocator's running total while ``fn()`` runs (``torch.profiler`` memory events).
 
@@ -52,7 +84,7 @@ def profiled_cpu_peak(fn: Any) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = list(prof.profiler.kineto_results.events())
     threads = Counter(e.start_thread_id() for e in events if e.name() != "[memory]")

@@ -130,7 +130,8 @@ MODELS: dict[str, ModelPreset] = {
     for p in (
         _llama("llama-tiny", "2-layer Llama (dim 64, GQA 4/2 heads, vocab 256) for tests", batch=2, seq=64),
         _llama("llama-small", "4-layer Llama (dim 256, vocab 1024) for laptop examples", batch=4),
-        _llama("llama-1b", "Llama 3.2 1B shape (16 layers, dim 2048, GQA 32/8, tied embeddings)", batch=1),
+        # batch 3 x 8192 tokens: the default `sacplan plan` job (no-AC peak ~84 GiB in bf16, over 80% of an H100)
+        _llama("llama-1b", "Llama 3.2 1B shape (16 layers, dim 2048, GQA 32/8, tied embeddings)", batch=3, seq=8192),
         _llama("llama-7b", "Llama 2 7B shape (32 layers, dim 4096, 6.74B parameters)", batch=1),
         _llama("llama-8b", "Llama 3 8B shape (32 layers, dim 4096, GQA 32/8, vocab 128256)", batch=1),
         _llama("llama-13b", "Llama 2 13B shape (40 layers, dim 5120)", batch=1),
