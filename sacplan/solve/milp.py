@@ -35,6 +35,7 @@ from sacplan.solve.backends import (
     SolveResult,
     check_solver,
     interrupted_result,
+    relative_gap,
     prove_by_lp_branching,
     solve_model,
 )
@@ -668,6 +669,14 @@ class SacProblem:
         r = [float(min(1.0, max(0.0, rv))) * yv for rv, yv in zip(r, y)]
         if idx.w:
             r = [float(v) for v in self.snap(y, r)]
+            # The symmetry rows want, in a class of identical sequential blocks, the earlier checkpointed block
+            # at the larger discard; sort the discards so (same cost, no event higher: see _sequential). Else
+            # the warm start violates them and the solver drops it.
+            for _, members in self.classes():
+                seq = self._sequential(members) if len(members) >= 2 and members[0] in idx.w else None
+                on = [s for s in (seq or []) if y[s] > 0.5]
+                for s, v in zip(on, sorted((r[s] for s in on), reverse=True)):
+                    r[s] = v
         for c in self.candidates:
             s = c.slot
             x[idx.y[s]] = y[s]
@@ -1398,6 +1407,10 @@ def _solve(
     else:
         y, r = problem.decision_from(idx, res.x)
         objective, bound, gap, status = res.objective, res.bound, res.gap, res.status
+        if lp_bound is not None and math.isfinite(lp_bound) and not bound >= lp_bound:
+            # stopped before the search had its own bound: the root LP relaxation bounds every plan
+            bound = min(objective, lp_bound)
+            gap = relative_gap(objective, bound)
     r_fixed = problem.repair(y, r, float(budget_bytes))
     if r_fixed is None:
         mf, y_mp, r_mp, _, _ = _min_peak(problem, solver, threads)
