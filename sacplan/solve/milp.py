@@ -1501,8 +1501,10 @@ def _solve_budget_model(
             gap_abs=1e-7,
             threads=threads,
             warm_start=warm,
-            # branch on class counts first (CBC's preprocessing would substitute the count columns away)
-            priorities={k: 1 for k in idx.K} or None,
+            # branch on class counts first (CBC's preprocessing would substitute the count columns away), then
+            # on how many members of a class reach each option level: llama-small x48 at 0.5 GiB, gap 5.8e-4
+            # after 500 s without the level counts, proven in ~15 s with them (issue 14)
+            priorities={**{k: 1 for k in idx.K}, **{n: 2 for n, _, _ in idx.N}} or None,
             options=["preprocess off"],
         )
         if res.x is None or not binaries or cuts >= _MAX_CUTS:
