@@ -524,7 +524,7 @@ def _solve_highs(
         sol.value_valid = True
         h.setSolution(sol)
     t0 = time.perf_counter()
-    interrupted = limits.run_highs(h, float(model.obj_offset))
+    interrupted = limits.run_highs(h)
     solve_s = time.perf_counter() - t0
     ms = h.getModelStatus()
     info = h.getInfo()

@@ -105,16 +105,15 @@ def expired() -> bool:
 def progress_to(stream: TextIO | None) -> Iterator[None]:
     """Write a status line to ``stream`` (e.g. ``sys.stderr``) every few seconds of solving (None: silent)."""
     tok = _STREAM.set(stream)
-    t0tok = _T0.set(time.monotonic())
     try:
         yield
     finally:
         _STREAM.reset(tok)
-        _T0.reset(t0tok)
 
 
 def report(incumbent: float, bound: float, gap: float, force: bool = False) -> None:
-    """One status line (objective and bound in ms of recompute) when progress is on and it is time."""
+    """One status line (objective and bound in ms of recompute; elapsed since the outermost :func:`deadline`)
+    when progress is on and it is time."""
     stream = _STREAM.get()
     now = time.monotonic()
     if stream is None or (not force and now - _LAST[0] < PROGRESS_EVERY_S):
@@ -123,6 +122,8 @@ def report(incumbent: float, bound: float, gap: float, force: bool = False) -> N
     t0 = _T0.get() or now
     inc = f"{incumbent:.4f} ms" if math.isfinite(incumbent) else "none yet"
     bnd = f"{bound:.4f} ms" if math.isfinite(bound) else "-"
+    if not math.isfinite(gap) and math.isfinite(incumbent) and math.isfinite(bound):
+        gap = max(0.0, incumbent - bound) / max(abs(incumbent), 1e-10)
     g = f"{gap:.3%}" if math.isfinite(gap) else "-"
     try:
         stream.write(f"solving: {now - t0:.0f} s elapsed, best {inc}, bound {bnd}, gap {g}\n")
@@ -138,10 +139,9 @@ def time_limit_message(limit_s: float | None, objective_ms: float, bound_ms: flo
             f"{gap:.4%} above the optimum (bound {bound_ms:.4f} ms); raise time_limit_s (CLI: --time-limit) to prove it")
 
 
-def run_highs(h: Any, offset: float = 0.0) -> bool:
+def run_highs(h: Any) -> bool:
     """Run a prepared ``highspy.Highs`` in its solver thread, reporting progress; True when Ctrl-C stopped it
-    (the caller reads the best solution and raises :class:`SolveInterrupted`). ``offset`` is added to the
-    callback's objective values, which exclude the model's constant."""
+    (the caller reads the best solution and raises :class:`SolveInterrupted`)."""
     stop = [False]
     seen = [math.inf, -math.inf, math.inf]
 
@@ -165,7 +165,7 @@ def run_highs(h: Any, offset: float = 0.0) -> bool:
                 break
             inc, bnd = seen[0], seen[1]
             if math.isfinite(inc) and abs(inc) < 1e29:
-                report(inc + offset, bnd + offset if math.isfinite(bnd) else bnd, seen[2])
+                report(inc, bnd if abs(bnd) < 1e29 else -math.inf, seen[2] if abs(seen[2]) < 1e29 else math.inf)
         except KeyboardInterrupt:
             interrupted = True
             stop[0] = True
