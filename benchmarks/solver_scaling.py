@@ -5,6 +5,7 @@ Usage::
     python benchmarks/solver_scaling.py                       # N = 2, 8, 32, 80, 128 blocks; 90/70/50% budgets
     python benchmarks/solver_scaling.py --blocks 8,32 --ref-max-blocks 8
     python benchmarks/solver_scaling.py --collected           # also real trees from sacplan.collect
+    python benchmarks/solver_scaling.py --issue14             # issue 14's cells (llama-small x48, README sweep, 8B ws8)
                                                               # (Llama-7B shape, planned for 8 FSDP ranks)
 
 Trees: synthetic Llama-7B-shaped models (``tests/solve/synthetic.py:llama_spec``; the per-module bytes and
@@ -180,6 +181,54 @@ def collected_trees(sizes):
         yield f"collected-{n}L", ModuleTree(stats)
 
 
+#: issue 14's cells: (label, preset, overrides, batch, seq, world size, what: a budget or "sweep")
+ISSUE14_CELLS = (
+    ("llama-small x48 @ 0.5GiB", "llama-small", {"n_layers": 48}, None, None, None, "0.5GiB"),
+    ("README default sweep (8 points)", None, None, None, None, None, "sweep"),
+    ("llama-8b b2 s8192 ws8 @ 60GiB", "llama-8b", None, 2, 8192, 8, "60GiB"),
+)
+
+
+def issue14_tree(preset, overrides, batch, seq, world_size):
+    """The tree ``sacplan plan/sweep`` solves for these arguments (preset None: the CLI's default job)."""
+    from sacplan import cli
+    from sacplan.devices import get_device
+    from sacplan.distributed import shard_stats
+    from sacplan.tree import ModuleTree
+
+    if preset is None:
+        preset, batch, seq = cli.DEFAULT_MODEL, cli.DEFAULT_BATCH, cli.DEFAULT_SEQ
+    spec = cli.load_model_spec(preset, layers=(overrides or {}).get("n_layers"))
+    stats = spec.collect(get_device(cli.DEFAULT_DEVICE), dtype=cli.DEFAULT_DTYPE, batch=batch, seq=seq, progress=None)
+    if world_size:
+        stats = shard_stats(stats, world_size, fsdp_units="each block", mode="fsdp")
+    return ModuleTree(stats)
+
+
+def issue14(args) -> None:
+    """Wall seconds of issue 14's cells (collection excluded), per solver, under ``--time-limit`` (default 60 s)."""
+    from sacplan.sweep import sweep
+
+    limit = args.time_limit or 60.0
+    print(f"{'cell':34s} {'solver':6s} {'wall s':>7s}  status       {'gap':>9s}  {'recompute ms':>12s}")
+    for label, preset, ov, batch, seq, ws, what in ISSUE14_CELLS:
+        tree = issue14_tree(preset, ov, batch, seq, ws)
+        for solver in args.issue14_solvers.split(","):
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if what == "sweep":
+                    res = sweep(tree, points=8, solver=solver, time_limit_s=limit)
+                    status = ",".join(sorted({r.status for r in res.rows}))
+                    gap = max((r.gap for r in res.rows if r.gap == r.gap), default=0.0)
+                    ms = float("nan")
+                else:
+                    p = solve(tree, what, solver=solver, time_limit_s=limit)
+                    status, gap, ms = p.status, p.gap, p.recompute_ms
+            print(f"{label:34s} {solver:6s} {time.perf_counter() - t0:7.1f}  {status:12s} {gap:9.2e}  {ms:12.4f}",
+                  flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", default="2,8,32,80,128", help="comma-separated block counts")
@@ -195,7 +244,12 @@ def main(argv=None) -> int:
         "--collected-world-size", type=int, default=8,
         help="plan collected trees for this many FSDP ranks (at 1 rank AdamW state dominates a 7B-shaped model)",
     )
+    ap.add_argument("--issue14", action="store_true", help="only issue 14's cells (see ISSUE14_CELLS)")
+    ap.add_argument("--issue14-solvers", default="highs,cbc", help="solvers for --issue14")
     args = ap.parse_args(argv)
+    if args.issue14:
+        issue14(args)
+        return 0
     blocks = [int(x) for x in args.blocks.split(",") if x]
     fracs = [float(x) for x in args.budgets.split(",") if x]
     print(f"# solver={args.solver}; python {sys.version.split()[0]}; {os.cpu_count()} CPUs")

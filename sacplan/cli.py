@@ -93,6 +93,23 @@ def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
     return lambda s: print(f"sacplan: {s}", file=sys.stderr, flush=True)
 
 
+def _limit(args: argparse.Namespace) -> dict[str, float]:
+    """``--time-limit`` for the API call, when given (else the call's own default: plan 60 s, sweep 60 s in all,
+    certify 300 s)."""
+    return {} if args.time_limit is None else {"time_limit_s": args.time_limit}
+
+
+_WARNED: set[str] = set()
+
+
+def _one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
+    """Print a warning as one line on stderr, once per distinct text."""
+    text = _one_line(message)
+    if text not in _WARNED:
+        _WARNED.add(text)
+        print(f"sacplan: warning: {text}", file=sys.stderr, flush=True)
+
+
 def _job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]:
     """Resolve model/device/budget *before* the (slow) collection, so bad arguments fail fast."""
     from sacplan.devices import get_device
@@ -170,14 +187,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
-    plan = solve(tree, budget, solver=args.solver, time_limit_s=args.time_limit)
+    plan = solve(tree, budget, solver=args.solver, **_limit(args))
     cert = None
     if args.certify:
         from sacplan.solve import certify
 
         if not args.quiet:
             print("sacplan: certifying (every module a unit, whole save-list fronts)", file=sys.stderr, flush=True)
-        cert = certify(tree, plan.budget_bytes, solver=args.solver, time_limit_s=args.time_limit or 120.0)
+        cert = certify(tree, plan.budget_bytes, solver=args.solver, **_limit(args))
     if args.output:
         plan.save(args.output)
     if args.json:
@@ -228,7 +245,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: sweeping budgets", file=sys.stderr, flush=True)
-    result = sweep(tree, budgets, points=args.points, solver=args.solver, time_limit_s=args.time_limit)
+    result = sweep(tree, budgets, points=args.points, solver=args.solver, **_limit(args))
     if args.plot:
         from sacplan.plot import plot_pareto
 
@@ -362,7 +379,8 @@ def _model_args(p: argparse.ArgumentParser, *, optional_model: bool) -> None:
     p.add_argument("--ddp", action="store_true", help="DDP replicas with gradient buckets instead of FSDP2")
     p.add_argument("--solver", choices=("auto", "cbc", "highs"), default="auto",
                    help="MILP back-end (default auto: HiGHS if highspy is installed, else CBC)")
-    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="wall-clock limit of the solve in seconds (default: plan 60, sweep 60 in all, --certify 300); "
+                   "stopped there, the best plan found is kept with its proven gap")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -434,17 +452,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    seen: set[str] = set()
-
-    def one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:  # warnings: one line each, once
-        text = _one_line(message)
-        if text not in seen:
-            seen.add(text)
-            print(f"sacplan: warning: {text}", file=sys.stderr, flush=True)
-
+    _WARNED.clear()  # once per distinct text within one run of the CLI
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = one_line_warning
+        from sacplan.solve.limits import progress_to  # inside the try: Ctrl-C during imports exits 130 too
+
+        with warnings.catch_warnings(), progress_to(None if getattr(args, "quiet", False) else sys.stderr):
+            warnings.showwarning = _one_line_warning  # no raw Python warning text (file:line, source line)
             return int(args.func(args))
     except InfeasibleBudgetError as e:
         smaller = "a smaller batch in your factory's inputs" if is_file_model(getattr(args, "model", None)) else "lower --batch/--seq"

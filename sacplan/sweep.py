@@ -14,6 +14,7 @@ Units: bytes (int) and milliseconds (float); GiB only in :meth:`SweepResult.tabl
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ def sweep(
     points: int = 8,
     world_size: int | None = None,
     solver: str = "auto",
-    time_limit_s: float | None = None,
+    time_limit_s: float | None = 60.0,
     ac_units: list[str] | None = None,
     fsdp_units: list[str] | None = None,
 ) -> SweepResult:
@@ -206,17 +207,42 @@ def sweep(
         budgets: budgets in any :func:`~sacplan.units.parse_budget` form; default ``points`` budgets evenly
             spaced from the minimum feasible budget to the no-checkpointing peak (both included).
         points: number of default budgets (≥ 2).
-        world_size, solver, time_limit_s, ac_units, fsdp_units: passed to :func:`sacplan.solve.solve`.
+        world_size, solver, ac_units, fsdp_units: passed to :func:`sacplan.solve.solve`.
+        time_limit_s: wall-clock budget (s) of the whole sweep (default 60; None: none), shared evenly among
+            the minimum-feasible solve and the points still to solve; points stopped by it keep status
+            ``"time_limit"`` and their gap, said in one :class:`~sacplan.solve.TimeLimitWarning` line.
 
     Returns:
         :class:`SweepResult`; budgets below the minimum feasible appear with status ``"infeasible"``.
     """
+    from sacplan.solve.limits import check_time_limit, deadline
+
+    limit = check_time_limit(time_limit_s)
+    with deadline(limit):
+        return _sweep(tree, budgets, points, world_size, solver, limit, ac_units, fsdp_units)
+
+
+def _sweep(
+    tree: ModuleTree, budgets: Sequence[int | float | str] | None, points: int, world_size: int | None,
+    solver: str, time_limit_s: float | None, ac_units: list[str] | None, fsdp_units: list[str] | None,
+) -> SweepResult:
+    import warnings
+
     from sacplan.errors import ConfigError
-    from sacplan.solve import baseline_peak, min_feasible_budget, solve
+    from sacplan.solve import TimeLimitWarning, baseline_peak, min_feasible_budget, solve
+    from sacplan.solve.limits import remaining
 
     stats = tree.stats
+    t0 = time.monotonic()
+    n_solves = (points if budgets is None else len(budgets)) + 1
+
+    def share(k_left: int) -> float | None:  # an even share of what is left among the solves still to run
+        left = remaining(None if time_limit_s is None else time_limit_s - (time.monotonic() - t0))
+        return None if left is None else left / max(1, k_left)
+
     base = baseline_peak(tree, world_size=world_size)
-    mf = min_feasible_budget(tree, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units, solver=solver)
+    mf = min_feasible_budget(tree, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units, solver=solver,
+                             time_limit_s=share(n_solves))
     if budgets is None:
         if points < 2:
             raise ConfigError(f"a sweep needs at least 2 points, got {points}")
@@ -225,18 +251,25 @@ def sweep(
     else:
         bs = sorted(parse_budget(b, capacity_bytes=stats.device.memory_bytes) for b in budgets)
     rows = []
-    for b in bs:
+    for k, b in enumerate(bs):
         try:
             with warnings.catch_warnings():  # budgets above the device were warned about above, or are the sweep's own
                 warnings.simplefilter("ignore", BudgetWarning)
+                warnings.simplefilter("ignore", TimeLimitWarning)  # said once for the sweep, below
                 p = solve(  # "<n>B": an int below 1 MiB would be read as GiB by parse_budget
-                    tree, f"{b}B", world_size=world_size, solver=solver, time_limit_s=time_limit_s,
+                    tree, f"{b}B", world_size=world_size, solver=solver, time_limit_s=share(len(bs) - k),
                     ac_units=ac_units, fsdp_units=fsdp_units,
                 )
         except InfeasibleBudgetError:
             rows.append(SweepRow(b, math.nan, -1, "infeasible", 0, math.nan))
             continue
         rows.append(SweepRow(b, float(p.recompute_ms), int(p.predicted_peak_bytes), p.status, len(p.decisions), float(p.gap)))
+    stopped = [r for r in rows if r.status == "time_limit"]
+    if stopped:
+        warnings.warn(
+            f"{len(stopped)} of {len(rows)} sweep points stopped at the time limit ({time_limit_s:g} s for the sweep) "
+            f"with the best plan found, at most gap {max(r.gap for r in stopped):.4%} above the optimum; raise "
+            "time_limit_s (CLI: --time-limit) to prove them", TimeLimitWarning, stacklevel=3)
     blocks = repeated_blocks(tree)
     ws = world_size or stats.world_size
     return SweepResult(

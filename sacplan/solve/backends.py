@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sacplan.errors import SolverError
+from sacplan.solve import limits
 
 #: Solver names :func:`solve_model` accepts.
 SOLVERS = ("cbc", "highs")
@@ -36,6 +37,7 @@ SOLVERS = ("cbc", "highs")
 #: Normalised statuses.
 OPTIMAL = "optimal"
 TIME_LIMIT = "time_limit"
+INTERRUPTED = "interrupted"
 INFEASIBLE = "infeasible"
 ERROR = "error"
 
@@ -218,8 +220,9 @@ def solve_model(
     """Solve ``model`` with ``solver`` ("cbc" or "highs"); see :class:`SolveResult`.
 
     Args:
-        time_limit_s: wall-clock limit (None = none); on expiry the best solution found is returned
-            with status ``"time_limit"`` (``x`` None when none was found).
+        time_limit_s: wall-clock limit (None = none), capped by the active :func:`limits.deadline`; on expiry
+            the best solution found is returned with status ``"time_limit"`` (``x`` None when none was found).
+            Ctrl-C raises :class:`limits.SolveInterrupted` carrying the best result so far.
         gap_rel, gap_abs: stop once the relative / absolute gap is this small.
         threads: solver threads (None: serial CBC / one HiGHS thread, which keeps the search deterministic).
         warm_start: a full column vector to start from (a feasible incumbent helps a lot).
@@ -233,6 +236,7 @@ def solve_model(
     name = check_solver(solver)
     if model.num_cols == 0:
         return SolveResult(OPTIMAL, [], model.obj_offset, model.obj_offset, 0.0, 0.0, name, "empty")
+    time_limit_s = limits.remaining(time_limit_s)  # never past the enclosing call's budget (limits.deadline)
     if name == "cbc":
         try:
             return _solve_cbc(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, priorities, options)
@@ -379,6 +383,9 @@ def _solve_cbc(
         t0 = time.perf_counter()
         try:
             prob.solve(cmd)
+        except KeyboardInterrupt:
+            # CBC runs as a child process under its own time limit; its result is lost with the temp dir
+            raise limits.SolveInterrupted(None) from None
         except pulp.PulpSolverError as e:
             try:
                 with open(log_path) as f:
@@ -517,7 +524,7 @@ def _solve_highs(
         sol.value_valid = True
         h.setSolution(sol)
     t0 = time.perf_counter()
-    h.run()
+    interrupted = limits.run_highs(h)
     solve_s = time.perf_counter() - t0
     ms = h.getModelStatus()
     info = h.getInfo()
@@ -527,7 +534,8 @@ def _solve_highs(
     objective = model.evaluate(x) if x is not None else INF
     mip = any(model.col_int)
     if (
-        mip
+        not interrupted
+        and mip
         and ms == highspy.HighsModelStatus.kOptimal
         and warm_start is not None
         and x is not None
@@ -553,7 +561,25 @@ def _solve_highs(
     else:
         status, bound = (TIME_LIMIT if x is not None else ERROR), (float(info.mip_dual_bound) if mip else -INF)
     gap = relative_gap(objective, bound) if x is not None else INF
-    return SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw)
+    res = SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw)
+    if interrupted:
+        raise limits.SolveInterrupted(res)
+    return res
+
+
+def interrupted_result(
+    result: SolveResult | None, model: MilpModel, warm_start: Sequence[float] | None, solver: str
+) -> SolveResult:
+    """The best solution when Ctrl-C stopped a search (``status="interrupted"``): the solver's own, else the warm
+    start; :class:`limits.SolveInterrupted` again when there is neither."""
+    if result is not None and result.x is not None:
+        return dataclasses.replace(result, status=INTERRUPTED)
+    if warm_start is None or model.max_violation(warm_start) > 1e-6:
+        raise limits.SolveInterrupted(result)
+    obj = model.evaluate(warm_start)
+    bound = result.bound if result is not None and math.isfinite(result.bound) else -INF
+    return SolveResult(INTERRUPTED, list(warm_start), obj, min(bound, obj), relative_gap(obj, bound), 0.0, solver,
+                       "interrupted (the heuristic plan)")
 
 
 def _with_bounds(model: MilpModel, lb: Mapping[int, float], ub: Mapping[int, float]) -> MilpModel:
@@ -598,9 +624,20 @@ def _branch_on_priorities(
     hopts = dict(highs_options or {})
 
     def left() -> float | None:
-        if time_limit_s is None:
-            return None
-        return time_limit_s - (time.perf_counter() - t0)
+        own = None if time_limit_s is None else time_limit_s - (time.perf_counter() - t0)
+        end = limits.remaining()
+        return own if end is None else (end if own is None else min(own, end))
+
+    def summary() -> SolveResult:
+        solve_s = time.perf_counter() - t0
+        if best_x is None:
+            if status_time:
+                return SolveResult(TIME_LIMIT, None, INF, -INF, INF, solve_s, "highs", "time limit")
+            return SolveResult(INFEASIBLE, None, INF, INF, INF, solve_s, "highs", "Infeasible")
+        bound = min([best] + leaf_bounds + [b for _, _, b in stack])
+        gap = relative_gap(best, bound)
+        status = TIME_LIMIT if status_time and gap > gap_rel else OPTIMAL
+        return SolveResult(status, best_x, best, bound, gap, solve_s, "highs", f"{status} ({nodes} count nodes)")
 
     def prune_at(v: float) -> bool:
         return best < INF and v >= best - max(gap_abs, gap_rel * abs(best))
@@ -608,14 +645,19 @@ def _branch_on_priorities(
     while stack:
         lb, ub, parent_bound = stack.pop()
         rem = left()
-        if nodes > 0 and rem is not None and rem <= 0:
+        if nodes > 0 and ((rem is not None and rem <= 0) or limits.expired()):
             status_time = True
             leaf_bounds.append(parent_bound)
             continue
         sub = _with_bounds(model, lb, ub)
         relax = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in sub.__dict__.items()})
         relax.col_int = [False] * relax.num_cols
-        lp = _solve_highs(relax, None if nodes == 0 else rem, 0.0, 0.0, threads, None, feas_tol, None)
+        try:
+            lp = _solve_highs(relax, rem, 0.0, 0.0, threads, None, feas_tol, None)
+        except limits.SolveInterrupted:
+            stack.append((lb, ub, parent_bound))
+            status_time = True
+            raise limits.SolveInterrupted(summary()) from None
         nodes += 1
         if lp.status == INFEASIBLE:
             continue
@@ -641,7 +683,15 @@ def _branch_on_priorities(
         opts = dict(hopts)
         if best < INF:
             opts["objective_bound"] = best + max(gap_abs, 1e-9 * abs(best))
-        res = _solve_highs(sub, left(), gap_rel, gap_abs, threads, ws, feas_tol, opts)
+        try:
+            res = _solve_highs(sub, left(), gap_rel, gap_abs, threads, ws, feas_tol, opts)
+        except limits.SolveInterrupted as e:
+            leaf = e.result
+            if leaf is not None and leaf.x is not None and leaf.objective < best:
+                best, best_x = leaf.objective, leaf.x
+            leaf_bounds.append(lp.objective if leaf is None or not math.isfinite(leaf.bound) else max(lp.objective, min(leaf.bound, best)))
+            status_time = True
+            raise limits.SolveInterrupted(summary()) from None
         if res.status == INFEASIBLE:
             # nothing better than the cutoff (or truly infeasible) in this leaf
             leaf_bounds.append(best if best < INF else INF)
@@ -650,15 +700,10 @@ def _branch_on_priorities(
             best, best_x = res.objective, res.x
         leaf_bounds.append(max(lp.objective, res.bound) if res.x is not None or res.status == OPTIMAL else lp.objective)
         status_time = status_time or res.status == TIME_LIMIT
-    solve_s = time.perf_counter() - t0
-    if best_x is None:
-        if status_time:
-            return SolveResult(TIME_LIMIT, None, INF, -INF, INF, solve_s, "highs", "time limit")
-        return SolveResult(INFEASIBLE, None, INF, INF, INF, solve_s, "highs", "Infeasible")
-    bound = min([best] + leaf_bounds)
-    gap = relative_gap(best, bound)
-    status = TIME_LIMIT if status_time and gap > gap_rel else OPTIMAL
-    return SolveResult(status, best_x, best, bound, gap, solve_s, "highs", f"{status} ({nodes} count nodes)")
+        if best_x is not None:
+            limits.report(best, min([best] + leaf_bounds + [b for _, _, b in stack]),
+                          relative_gap(best, min([best] + leaf_bounds + [b for _, _, b in stack])))
+    return summary()
 
 
 def prove_by_lp_branching(

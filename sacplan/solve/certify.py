@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 
 from sacplan.errors import SolverError
+from sacplan.solve.limits import DEFAULT_CERTIFY_S, check_time_limit, deadline, remaining
 from sacplan.solve.milp import TimeLimitWarning, recompute_lower_bound, solve
 from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
@@ -78,7 +79,7 @@ def certify(
     *,
     units: list[str] | None = None,
     solver: str = "auto",
-    time_limit_s: float | None = 120.0,
+    time_limit_s: float | None = DEFAULT_CERTIFY_S,
 ) -> Certificate:
     """The best plan over every plan at ``budget`` (proven when tractable) and a lower bound over every plan.
 
@@ -87,15 +88,26 @@ def certify(
         budget: as :func:`~sacplan.solve.milp.solve`.
         units: the checkpoint units allowed (default :func:`every_unit`).
         solver: MILP back-end.
-        time_limit_s: limit for the whole-front MILP; when it stops first the certificate keeps the best plan
-            found, ``proven=False``, and the lower bound.
+        time_limit_s: wall-clock budget (s) of the whole call (default 300; None: none): at most half for the
+            lower bound, the rest for the whole-front MILP; when it stops first the certificate keeps the best plan
+            found, ``proven=False``, and the lower bound. <= 0 or NaN: ConfigError.
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
     """
+    limit = check_time_limit(time_limit_s)
+    with deadline(limit):
+        return _certify(tree, budget, units, solver, limit)
+
+
+def _certify(
+    tree: ModuleTree, budget: int | float | str, units: list[str] | None, solver: str, time_limit_s: float | None
+) -> Certificate:
     units = every_unit(tree) if units is None else list(units)
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
-    lb = recompute_lower_bound(tree, budget_bytes, ac_units=units, solver=solver)
+    lb = recompute_lower_bound(tree, budget_bytes, ac_units=units, solver=solver,
+                               time_limit_s=None if time_limit_s is None else time_limit_s / 2)
+    time_limit_s = remaining(time_limit_s)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TimeLimitWarning)
         warnings.simplefilter("ignore", UserWarning)  # units without activations are skipped, by design

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
+from sacplan.solve.limits import DEFAULT_SOLVE_S, check_time_limit, deadline
 from sacplan.solve.backends import OPTIMAL, TIME_LIMIT, MilpModel, check_solver, prove_by_lp_branching, solve_model
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
@@ -52,7 +53,7 @@ def sac_milp(
     *,
     solver: str = "auto",
     gap_rel: float = 1e-4,
-    time_limit_s: float | None = None,
+    time_limit_s: float | None = DEFAULT_SOLVE_S,
 ) -> tuple[dict[str, float], float, int]:
     """PyTorch-compatible SAC MILP (see the module docstring).
 
@@ -62,6 +63,7 @@ def sac_milp(
         world_size: ranks sharing parameters and gradients (FSDP).
         ac_units: allowed checkpoint units (fqns as the graph names them).
         fsdp_units: FSDP units (no checkpoint unit may contain one).
+        time_limit_s: wall-clock budget (s) of the call (default 60; None: none); <= 0 or NaN: ConfigError.
 
     Returns:
         ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios rounded to 4 digits and ms to 2 like
@@ -90,7 +92,9 @@ def sac_milp(
             round(plan.recompute_ms, 2),
             int(plan.predicted_peak_bytes),
         )
-    return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, solver, gap_rel, time_limit_s)
+    limit = check_time_limit(time_limit_s)
+    with deadline(limit):
+        return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, solver, gap_rel, limit)
 
 
 def _is_submodule(desc: str, anc: str) -> bool:

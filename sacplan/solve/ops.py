@@ -22,6 +22,8 @@ and the budget: identical blocks cost one solve.
 
 from __future__ import annotations
 
+import heapq
+
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -397,22 +399,55 @@ def module_options(
     kept.reverse()
     if max_options is not None and len(kept) > max(2, max_options):
         complete = False
-        hull = _hull_indices([(p[0], p[1]) for p in kept])
-        is_hull = [k in hull for k in range(len(kept))]
-        while len(kept) > max(2, max_options):
-            # drop the interior option whose loss is smallest: (q_next - q_k) · (r_k - r_prev); hull vertices last
-            k = min(
-                range(1, len(kept) - 1),
-                key=lambda k: (is_hull[k], (kept[k + 1][1] - kept[k][1]) * (kept[k][0] - kept[k - 1][0]), k),
-            )
-            kept.pop(k)
-            is_hull.pop(k)
+        kept = [kept[k] for k in thin_front([(p[0], p[1]) for p in kept], max(2, max_options))]
     return ModuleOptions(
         ratio=tuple(p[0] for p in kept),
         frac=tuple(p[1] for p in kept),
         selection=tuple(p[2] for p in kept),
         complete=complete,
     )
+
+
+def thin_front(pts: Sequence[tuple[float, float]], keep: int) -> list[int]:
+    """Indices of the ``keep`` points of a front (sorted by ratio ascending) that :func:`module_options` keeps.
+
+    Interior points are dropped one at a time, the one whose removal costs least first -- loss
+    ``(q_next - q_k) · (r_k - r_prev)`` with its *current* neighbours, vertices of the lower convex hull last,
+    ties to the lowest index -- until ``keep`` remain; the end points always stay. A heap with lazy deletion
+    over a linked list: only the two neighbours' losses change at each drop, so O(n log n) (the same choices,
+    in the same order, as re-scanning the front at each drop, which was O(n²): a 19,365-point front took
+    ~100 s).
+    """
+    n = len(pts)
+    keep = max(2, int(keep))
+    if n <= keep:
+        return list(range(n))
+    hull = _hull_indices(pts)
+    prev = list(range(-1, n - 1))
+    nxt = list(range(1, n + 1))
+    version = [0] * n
+
+    def key(k: int) -> tuple[bool, float, int, int]:
+        a, b = prev[k], nxt[k]
+        return (k in hull, (pts[b][1] - pts[k][1]) * (pts[k][0] - pts[a][0]), k, version[k])
+
+    heap = [key(k) for k in range(1, n - 1)]
+    heapq.heapify(heap)
+    alive = n
+    dead = [False] * n
+    while alive > keep:
+        _, _, k, ver = heapq.heappop(heap)
+        if dead[k] or ver != version[k]:
+            continue
+        dead[k] = True
+        alive -= 1
+        a, b = prev[k], nxt[k]
+        nxt[a], prev[b] = b, a
+        for j in (a, b):
+            if 0 < j < n - 1:
+                version[j] += 1
+                heapq.heappush(heap, key(j))
+    return [k for k in range(n) if not dead[k]]
 
 
 def _hull_indices(pts: Sequence[tuple[float, float]]) -> set[int]:

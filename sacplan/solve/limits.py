@@ -1,0 +1,173 @@
+"""Time limits, progress lines and Ctrl-C for the MILP solves (issue 14: no solve runs unbounded).
+
+* :func:`check_time_limit` validates a user's ``time_limit_s`` (seconds; ``None`` = no limit, explicitly).
+* :func:`deadline` opens one wall-clock budget shared by every sub-solve inside it (heuristic, LP branching,
+  leaf MILPs, no-good-cut rounds): :func:`remaining` is what a sub-solve may still spend. Nested budgets take
+  the earlier end, so a sweep's total budget bounds each point's own.
+* :func:`progress_to` turns on a status line (elapsed, incumbent, bound, gap) every few seconds on a stream.
+* :func:`run_highs` runs HiGHS in its solver thread and polls it, so Ctrl-C stops the search within ~0.2 s
+  (:class:`SolveInterrupted`, a :class:`KeyboardInterrupt` carrying the best result found so far).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, TextIO
+
+from sacplan.errors import ConfigError
+
+#: Default wall-clock budget (s) of ``solve`` / ``sacplan plan``, ``min_feasible_budget``,
+#: ``recompute_lower_bound`` and ``sac_milp``.
+DEFAULT_SOLVE_S = 60.0
+#: Default total budget (s) of a ``sweep`` (shared among its points).
+DEFAULT_SWEEP_S = 60.0
+#: Default budget (s) of ``certify`` (several solves).
+DEFAULT_CERTIFY_S = 300.0
+#: Seconds between progress lines.
+PROGRESS_EVERY_S = 3.0
+#: Shortest limit handed to a solver (s): a spent budget still lets it return its warm start.
+MIN_SLICE_S = 0.01
+
+_END: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_deadline", default=None)
+_STREAM: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("sacplan_progress", default=None)
+_T0: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_progress_t0", default=None)
+_LAST = [0.0]
+
+
+class SolveInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a solve; ``result`` is the solver's best result so far (a ``SolveResult``, or None)."""
+
+    def __init__(self, result: Any = None) -> None:
+        super().__init__("solve interrupted")
+        self.result = result
+
+
+def check_time_limit(value: Any, name: str = "time_limit_s") -> float | None:
+    """``value`` as seconds (float), or None for no limit; :class:`ConfigError` when not a positive number."""
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number of seconds > 0 (or None for no limit), got {value!r}") from None
+    if math.isnan(v) or v <= 0:
+        raise ConfigError(f"{name} must be a number of seconds > 0 (or None for no limit), got {value!r}")
+    return None if math.isinf(v) else v
+
+
+@contextmanager
+def deadline(limit_s: float | None) -> Iterator[None]:
+    """Every solve inside shares one budget of ``limit_s`` seconds (None: only the enclosing budget, if any)."""
+    end = _END.get()
+    if limit_s is not None:
+        mine = time.monotonic() + float(limit_s)
+        end = mine if end is None else min(end, mine)
+    tok = _END.set(end)
+    t0tok = _T0.set(_T0.get() or time.monotonic())
+    try:
+        yield
+    finally:
+        _END.reset(tok)
+        _T0.reset(t0tok)
+
+
+@contextmanager
+def lifted() -> Iterator[None]:
+    """No budget inside (still interruptible): for the few LPs that yield the first plan, so that even a spent
+    budget returns a plan rather than none."""
+    tok = _END.set(None)
+    try:
+        yield
+    finally:
+        _END.reset(tok)
+
+
+def remaining(limit_s: float | None = None) -> float | None:
+    """Seconds a solve may spend now: the smaller of ``limit_s`` and what the active budget has left (at
+    least :data:`MIN_SLICE_S`); None when neither bounds it."""
+    end = _END.get()
+    left = None if end is None else end - time.monotonic()
+    if limit_s is not None:
+        left = float(limit_s) if left is None else min(left, float(limit_s))
+    return None if left is None else max(MIN_SLICE_S, left)
+
+
+def expired() -> bool:
+    """True once the active budget is spent."""
+    end = _END.get()
+    return end is not None and time.monotonic() >= end
+
+
+@contextmanager
+def progress_to(stream: TextIO | None) -> Iterator[None]:
+    """Write a status line to ``stream`` (e.g. ``sys.stderr``) every few seconds of solving (None: silent)."""
+    tok = _STREAM.set(stream)
+    try:
+        yield
+    finally:
+        _STREAM.reset(tok)
+
+
+def report(incumbent: float, bound: float, gap: float, force: bool = False) -> None:
+    """One status line (objective and bound in ms of recompute; elapsed since the outermost :func:`deadline`)
+    when progress is on and it is time."""
+    stream = _STREAM.get()
+    now = time.monotonic()
+    if stream is None or (not force and now - _LAST[0] < PROGRESS_EVERY_S):
+        return
+    _LAST[0] = now
+    t0 = _T0.get() or now
+    inc = f"{incumbent:.4f} ms" if math.isfinite(incumbent) else "none yet"
+    bnd = f"{bound:.4f} ms" if math.isfinite(bound) else "-"
+    if not math.isfinite(gap) and math.isfinite(incumbent) and math.isfinite(bound):
+        gap = max(0.0, incumbent - bound) / max(abs(incumbent), 1e-10)
+    g = f"{gap:.3%}" if math.isfinite(gap) else "-"
+    try:
+        stream.write(f"solving: {now - t0:.0f} s elapsed, best {inc}, bound {bnd}, gap {g}\n")
+        stream.flush()
+    except (OSError, ValueError):  # a closed stream: progress is optional
+        pass
+
+
+def time_limit_message(limit_s: float | None, objective_ms: float, bound_ms: float, gap: float) -> str:
+    """The one line said when a solve stops at its time limit (objective/bound in ms of recompute)."""
+    lim = "its time limit" if limit_s is None else f"the time limit of {limit_s:g} s"
+    return (f"stopped at {lim} with the best plan found: {objective_ms:.4f} ms of recompute, at most gap "
+            f"{gap:.4%} above the optimum (bound {bound_ms:.4f} ms); raise time_limit_s (CLI: --time-limit) to prove it")
+
+
+def run_highs(h: Any) -> bool:
+    """Run a prepared ``highspy.Highs`` in its solver thread, reporting progress; True when Ctrl-C stopped it
+    (the caller reads the best solution and raises :class:`SolveInterrupted`)."""
+    stop = [False]
+    seen = [math.inf, -math.inf, math.inf]
+
+    def on_interrupt(e: Any) -> None:
+        d = e.data_out
+        try:
+            seen[0], seen[1], seen[2] = d.mip_primal_bound, d.mip_dual_bound, d.mip_gap
+        except AttributeError:  # pragma: no cover - older highspy
+            pass
+        if stop[0]:
+            e.interrupt()
+
+    for event in (h.cbMipInterrupt, h.cbSimplexInterrupt, h.cbIpmInterrupt):
+        event.subscribe(on_interrupt)
+    interrupted = False
+    thread = h.startSolve()
+    while True:
+        try:
+            done, _ = h.wait(0.2)
+            if done:
+                break
+            inc, bnd = seen[0], seen[1]
+            if math.isfinite(inc) and abs(inc) < 1e29:
+                report(inc, bnd if abs(bnd) < 1e29 else -math.inf, seen[2] if abs(seen[2]) < 1e29 else math.inf)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop[0] = True
+    thread.join()
+    return interrupted

@@ -1,0 +1,188 @@
+"""Time limits, Ctrl-C and front thinning (issue 14): no solve runs unbounded, a stopped one says how far it is."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import _thread
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sacplan.errors import ConfigError
+from sacplan.solve import TimeLimitWarning, baseline_peak, certify, min_feasible_budget, recompute_lower_bound, sac_milp, solve
+from sacplan.solve import limits
+from sacplan.solve.backends import MilpModel, solve_model
+from sacplan.solve.ops import thin_front
+from sacplan.sweep import sweep
+from synthetic import llama_tree
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "soon"])
+def test_bad_time_limits_are_config_errors(bad):
+    tree = llama_tree(2)
+    budget = int(baseline_peak(tree) * 0.8)
+    calls = [
+        lambda: solve(tree, budget, time_limit_s=bad),
+        lambda: sweep(tree, points=2, time_limit_s=bad),
+        lambda: certify(tree, budget, time_limit_s=bad),
+        lambda: min_feasible_budget(tree, time_limit_s=bad),
+        lambda: recompute_lower_bound(tree, budget, time_limit_s=bad),
+        lambda: sac_milp(tree, f"{budget}B", time_limit_s=bad),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match="time_limit_s"):
+            call()
+
+
+def test_check_time_limit_values():
+    assert limits.check_time_limit(None) is None  # no limit only when asked for explicitly
+    assert limits.check_time_limit(2) == 2.0
+    assert limits.check_time_limit(math.inf) is None
+
+
+def test_nested_deadlines_take_the_earlier_end():
+    assert limits.remaining() is None and not limits.expired()
+    with limits.deadline(10.0):
+        with limits.deadline(100.0):
+            assert limits.remaining() <= 10.0
+            assert limits.remaining(3.0) <= 3.0
+            with limits.lifted():
+                assert limits.remaining() is None
+        with limits.deadline(None):
+            assert limits.remaining() <= 10.0
+    with limits.deadline(1e-9):
+        assert limits.expired()
+        assert limits.remaining() == limits.MIN_SLICE_S
+
+
+def test_defaults_bound_every_call():
+    import inspect
+
+    for fn in (solve, min_feasible_budget, recompute_lower_bound, sac_milp):
+        assert inspect.signature(fn).parameters["time_limit_s"].default == limits.DEFAULT_SOLVE_S
+    assert inspect.signature(sweep).parameters["time_limit_s"].default == limits.DEFAULT_SWEEP_S
+    assert inspect.signature(certify).parameters["time_limit_s"].default == limits.DEFAULT_CERTIFY_S
+
+
+def test_tiny_time_limit_returns_the_best_plan_with_its_gap():
+    tree = llama_tree(64)
+    budget = int(baseline_peak(tree) * 0.6)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        plan = solve(tree, budget, solver="highs", time_limit_s=1e-3)
+    assert plan.status == "time_limit"
+    assert math.isfinite(plan.gap) and plan.gap >= 0
+    assert plan.bound_ms <= plan.objective_ms and plan.bound_ms > 0
+    assert plan.predicted_peak_bytes <= budget and plan.decisions
+    msgs = [str(x.message) for x in w if issubclass(x.category, TimeLimitWarning)]
+    assert len(msgs) == 1 and "\n" not in msgs[0]
+    assert "time_limit_s" in msgs[0] and "--time-limit" in msgs[0]
+
+
+def _market_split(seed: int = 3, rows: int = 4, cols: int = 40) -> MilpModel:
+    """A market-split feasibility MILP (Cornuéjols-Dawande): tiny, and hopeless for branch-and-bound."""
+    rng = random.Random(seed)
+    m = MilpModel()
+    for j in range(cols):
+        m.add_col(f"x{j}", 0.0, 1.0, True, cost=0.0)
+    for i in range(rows):
+        a = [rng.randrange(100) for _ in range(cols)]
+        rhs = sum(a) // 2
+        m.add_row(f"r{i}", list(range(cols)), a, lb=rhs, ub=rhs)
+    return m
+
+
+def test_time_limit_stops_a_hopeless_milp():
+    res = solve_model(_market_split(), "highs", time_limit_s=0.5)
+    assert res.status in ("time_limit", "infeasible")  # infeasible only if HiGHS proves it in time
+    if res.status == "time_limit":
+        assert res.x is None or res.gap >= 0
+
+
+def test_ctrl_c_stops_highs_and_raises_keyboard_interrupt():
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            solve_model(_market_split(), "highs", time_limit_s=60.0)
+    finally:
+        timer.cancel()
+
+
+def test_deadline_caps_a_solve_model_limit():
+    with limits.deadline(0.3):
+        res = solve_model(_market_split(), "highs", time_limit_s=60.0)
+    assert res.status in ("time_limit", "infeasible")
+    assert res.solve_s < 30.0  # far below the 60 s it was asked for: the enclosing budget won
+
+
+def _old_thinning(kept: list[tuple[float, float]], keep: int) -> list[tuple[float, float]]:
+    """module_options' pruning before issue 14 (re-scans the front at every drop), the reference."""
+    hull: list[int] = []  # lower convex hull (Andrew's monotone chain)
+    for i, (x, y) in enumerate(kept):
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = kept[hull[-2]], kept[hull[-1]]
+            if (x2 - x1) * (y - y1) - (y2 - y1) * (x - x1) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    kept = list(kept)
+    is_hull = [k in hull for k in range(len(kept))]
+    while len(kept) > max(2, keep):
+        k = min(
+            range(1, len(kept) - 1),
+            key=lambda k: (is_hull[k], (kept[k + 1][1] - kept[k][1]) * (kept[k][0] - kept[k - 1][0]), k),
+        )
+        kept.pop(k)
+        is_hull.pop(k)
+    return kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pts=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=0, max_size=40),
+    keep=st.integers(0, 20),
+)
+def test_thin_front_equals_the_old_pruning(pts, keep):
+    # a front: ratio strictly increasing, cost strictly increasing (integers: many exact ties in the losses)
+    xs = sorted({x for x, _ in pts})
+    ys = sorted({y for _, y in pts})
+    n = min(len(xs), len(ys))
+    front = [(xs[i] / 50.0, ys[i] / 50.0) for i in range(n)]
+    assert [front[k] for k in thin_front(front, keep)] == _old_thinning(front, keep)
+
+
+@pytest.mark.slow
+def test_cli_ctrl_c_exits_130_without_a_partial_file(tmp_path):
+    out = tmp_path / "x.json"
+    env = dict(os.environ, PYTHONPATH=_ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sacplan.cli", "plan", "llama-small", "--layers", "48", "--budget", "0.5GiB",
+         "--time-limit", "600", "-o", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path),
+    )
+    seen = []
+    for line in proc.stderr:  # wait until the solver runs
+        seen.append(line)
+        if "solving" in line:
+            break
+    import time
+
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err
+    assert not out.exists()
+    assert "Traceback" not in err and "interrupted" in err
