@@ -39,7 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--image", type=int, default=32)
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--budget-frac", type=float, default=0.5)

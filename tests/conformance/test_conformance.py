@@ -205,8 +205,32 @@ CASES: dict[str, Case] = {
 }
 BUDGETS = ("near-min", "midway", "near-peak")
 
-#: (model, budget or None for all, check) -> reason: known collect-side mispredictions fixed elsewhere.
-XFAIL: dict[tuple[str, str | None, str], str] = {}
+#: Budgets run by default; the other two are ``slow`` (each validation is two real steps, profiled and traced).
+DEFAULT_BUDGETS = ("midway",)
+
+_MHA = ("collect-side: nn.MultiheadAttention regions are under-predicted (issue 13: nn.Transformer 8.2% above, "
+        "+1.03 MiB at the start of an encoder layer's backward); measured {}")
+#: (model, budget or None for all, check) -> reason: known collect-side mispredictions fixed elsewhere
+#: (helper confcollect), with the error measured here (measured - predicted peak, % of measured).
+XFAIL: dict[tuple[str, str | None, str], str] = {
+    ("nn-encoder", "near-min", "peak"): _MHA.format("+9.01%"),
+    ("nn-encoder", "midway", "peak"): _MHA.format("+4.45%"),
+    ("nn-transformer", "near-min", "peak"): _MHA.format("+10.61%"),
+    ("nn-transformer", "midway", "peak"): _MHA.format("+2.90%"),
+    ("tv-vit", None, "peak"): _MHA.format("issue 13: torchvision ViT 3.9% above"),
+    ("custom-function", None, "peak"): (
+        "new, collect-side: a checkpointed nn.Dropout region (0.drop) keeps its input alive until its backward "
+        "(non-reentrant checkpoint saves the region's inputs) although no op outside saves it: +64 KiB "
+        "(one 8x32x64 fp32 tensor), measured +2.03% near-peak, +2.47% midway"),
+    ("hf-llama-gqa", None, "peak"): (
+        "collect-side: transformers sees FakeTensors as tracing and takes the 4-D mask + repeat_kv path "
+        "(issue 13: no-AC peak 13% over-predicted, plans up to 20%)"),
+    ("hf-bert", None, "flops"): (
+        "collect-side: a full checkpoint of attention.self treats the SDPA forward as saved "
+        "(issue 13: 50.3 M predicted vs 117.4 M recomputed FLOPs)"),
+    ("tv-resnet18", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
+    ("timm-resnet", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
+}
 
 
 def _case(name: str) -> Case:
@@ -245,6 +269,8 @@ def _params(check: str) -> list[Any]:
         for b in BUDGETS:
             reason = XFAIL.get((name, b, check)) or XFAIL.get((name, None, check))
             marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+            if b not in DEFAULT_BUDGETS:
+                marks.append(pytest.mark.slow)
             out.append(pytest.param(name, b, marks=marks, id=f"{name}-{b}"))
     return out
 
