@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from sacplan.collect.calling import as_inputs, as_loss, call_model
 from sacplan.collect.runtime import flop_mapping
 from sacplan.evaluate import Choice, module_outcome, predict
 from sacplan.opnames import ATTENTION, op_keys
@@ -360,7 +361,8 @@ def measure(
         return m
 
     raw = inputs_fn()
-    args = raw if isinstance(raw, tuple) else (raw,)
+    args = as_inputs(raw)
+    loss = as_loss(loss_fn)
     model = build()
     plan = plan_or_none
     if plan is not None and getattr(plan, "decisions", ()):
@@ -384,7 +386,7 @@ def measure(
         def step(hooks: bool = False) -> None:
             torch.manual_seed(seed + 2)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if hooks else contextlib.nullcontext():
-                l = loss_fn(fwd(*args), args)
+                l = loss(call_model(fwd, args), args)
             with torch.profiler.record_function(_FW_END):
                 pass
             l.backward()

@@ -28,10 +28,12 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from sacplan.errors import ConfigError, PlanMismatchError, UnsupportedModelError
@@ -172,8 +174,6 @@ def _writes_no_grad(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _outside_ptrs(module: nn.Module, args: tuple, kwargs: dict) -> frozenset[int]:
-    from torch.utils._pytree import tree_flatten
-
     flat, _ = tree_flatten((args, kwargs))
     ptrs = {_ptr(t) for t in flat if isinstance(t, torch.Tensor)}
     ptrs.update(_ptr(b) for b in module.buffers())
@@ -228,7 +228,21 @@ def _modules_by_canonical_name(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def _check_kv_cache(model: nn.Module) -> None:
+#: Keyword arguments through which Hugging Face layers receive a key/value cache object.
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past")
+_CACHE_OFF = "_sacplan_cache_turned_off"
+
+
+def _check_kv_cache(model: nn.Module) -> list[Any]:
+    """Refuse caches recomputation would corrupt; turn Hugging Face ``config.use_cache`` off in training.
+
+    Hugging Face models (``config.use_cache=True`` by default) build a key/value cache only to speed up
+    generation; their own ``gradient_checkpointing_enable`` turns it off in training with one warning. Here
+    the same: every distinct config object (an encoder–decoder's decoder keeps its own copy) of a module in
+    training mode gets ``use_cache=False`` and one :class:`UserWarning` names them; :func:`remove_plan` turns
+    them back on. Returns the configs changed. Module attributes ``use_kv_cache`` / ``caching`` /
+    ``use_cache`` (caches that live in the module and are updated by its forward) still raise.
+    """
     for name, mod in model.named_modules():
         for attr in ("use_kv_cache", "caching", "use_cache"):
             if getattr(mod, attr, False) is True:
@@ -237,36 +251,94 @@ def _check_kv_cache(model: nn.Module) -> None:
                     "saves and is not replayed by recomputation. Turn the cache off for training with "
                     "checkpointing (e.g. model.disable_kv_cache() or config.use_cache=False), then apply the plan."
                 )
+    changed: dict[int, tuple[str, Any]] = {}
+    for name, mod in model.named_modules():
         cfg = getattr(mod, "config", None)
-        if cfg is not None and getattr(cfg, "use_cache", False) is True and mod.training:
+        if cfg is not None and mod.training and getattr(cfg, "use_cache", False) is True and id(cfg) not in changed:
+            changed[id(cfg)] = (name or "<root>", cfg)
+    if changed:
+        warnings.warn(
+            "sacplan: checkpointing a model in training mode turns its key/value cache off "
+            f"(config.use_cache=False on {sorted(n for n, _ in changed.values())}), as Hugging Face's "
+            "gradient_checkpointing_enable does; remove_plan turns it back on.",
+            UserWarning,
+            stacklevel=3,
+        )
+        for _, cfg in changed.values():
+            cfg.use_cache = False
+    return [cfg for _, cfg in changed.values()]
+
+
+def _refuse_cache_kwargs(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    for k in _CACHE_KWARGS:
+        if kwargs.get(k) is not None:
             raise UnsupportedModelError(
-                f"module {name or '<root>'!r} has config.use_cache=True: turn the key/value cache off for training "
-                "with checkpointing (config.use_cache=False), then apply the plan."
+                f"{type(module).__name__} received a key/value cache ({k}=...) in a checkpointed forward with "
+                "gradients on: recomputation would update the cache a second time. Call the model with "
+                "use_cache=False when training, then run the planned step again."
             )
 
 
-def _wrap(module: nn.Module, decision: Any) -> None:
-    orig = module.__dict__.get("forward", None)
-    bound = type(module).forward.__get__(module) if orig is None else orig
-    full = getattr(decision, "saved_ops", None) is None
-    saved, save_random = (set(), False) if full else _saved_keys(decision)
+def _settings(decision: Any) -> tuple[frozenset[tuple[str, int]], bool, bool]:
+    """(saved ``(family, occurrence)`` keys, save random ops, cache entries may be mutated) of a decision."""
+    saved_ops = getattr(decision, "saved_ops", None)
+    if saved_ops is None:
+        return frozenset(), False, False
+    saved, save_random = _saved_keys(decision)
     # Saving an in-place group caches its head, which the group's in-place ops then mutate; the cache must
     # then hand back the mutated (final) value, which is what the forward produced.
-    mutation = any(_saves_inplace(e) for e in (getattr(decision, "saved_ops", None) or ()))
+    return frozenset(saved), save_random, any(_saves_inplace(e) for e in saved_ops)
 
-    @functools.wraps(bound)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+
+class _PlannedForward:
+    """A checkpointed module's ``forward``: an instance attribute that deep-copies and pickles with the module.
+
+    It holds the module itself (``copy.deepcopy`` maps it to the copy, pickle restores the reference) and
+    only plain data from the plan (saved op keys), never a closure, so a copied, pickled or
+    ``torch.save``-d planned model trains its own parameters with the same plan.
+    """
+
+    def __init__(self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool) -> None:
+        self.module = module
+        self.saved = saved
+        self.save_random = save_random
+        self.mutation = mutation
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature sees the module's own forward
+        return self._bound()
+
+    def _bound(self) -> Callable[..., Any]:
+        orig = self.module.__dict__.get(_ORIG)
+        return type(self.module).forward.__get__(self.module) if orig is None else orig
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound, module = self._bound(), self.module
         if not torch.is_grad_enabled():
             return bound(*args, **kwargs)  # inference: nothing to save, nothing to recompute
+        _refuse_cache_kwargs(module, kwargs)
         if torch.compiler.is_compiling():
-            ctx = functools.partial(_compiled_context, tuple(sorted(saved)), save_random, mutation)
+            ctx = functools.partial(_compiled_context, tuple(sorted(self.saved)), self.save_random, self.mutation)
             return checkpoint(bound, *args, use_reentrant=False, context_fn=ctx, **kwargs)
         outside = _outside_ptrs(module, args, kwargs)
+        saved, save_random, mutation = set(self.saved), self.save_random, self.mutation
+        # Hand checkpoint each distinct tensor once and rebuild the arguments from them: with saved-tensor
+        # hooks active (offloading, a memory tracker) recomputation gets a new tensor object per saved input,
+        # and a forward that branches on identity (nn.MultiheadAttention's ``query is key``) must see the
+        # same aliasing as in the forward.
+        flat, spec = tree_flatten((args, kwargs))
+        unique: list[torch.Tensor] = []
+        slot: dict[int, int] = {}
+        index = [slot.setdefault(id(t), len(slot)) if isinstance(t, torch.Tensor) else -1 for t in flat]
+        for t, i in zip(flat, index):
+            if i == len(unique):
+                unique.append(t)
         calls = 0
 
-        def run(*a: Any, **k: Any) -> Any:  # first call: the forward; later calls: recomputation
+        def run(*tensors: Any) -> Any:  # first call: the forward; later calls: recomputation
             nonlocal calls
             calls += 1
+            a, k = tree_unflatten([tensors[i] if i >= 0 else x for x, i in zip(flat, index)], spec)
             if calls == 1:
                 return bound(*a, **k)
             with _frozen_running_stats(module):
@@ -277,10 +349,14 @@ def _wrap(module: nn.Module, decision: Any) -> None:
                 make_policy(saved, save_random, outside), allow_cache_entry_mutation=mutation or bool(outside)
             )
 
-        return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn)
 
+
+def _wrap(module: nn.Module, decision: Any) -> None:
+    _unwrap(module)  # a module named twice (or shared under two names) is wrapped once, by its last decision
+    orig = module.__dict__.get("forward", None)
     module.__dict__[_ORIG] = orig
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = _PlannedForward(module, *_settings(decision))  # type: ignore[method-assign]
 
 
 def _unwrap(module: nn.Module) -> None:
@@ -293,9 +369,31 @@ def _unwrap(module: nn.Module) -> None:
         module.forward = orig  # type: ignore[method-assign]
 
 
+class _AppliedPlan:
+    """Holds the applied plan on the model: shared (plans are immutable) by ``copy.deepcopy``, pickled as the
+    plan's ``to_dict()`` (a :class:`~sacplan.plan.Plan` holds read-only mappings that do not pickle)."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def __deepcopy__(self, memo: dict) -> "_AppliedPlan":
+        return _AppliedPlan(self.plan)
+
+    def __reduce__(self) -> tuple:
+        to_dict = getattr(self.plan, "to_dict", None)
+        if callable(to_dict):
+            return _restore_plan, (type(self.plan), to_dict())
+        return _AppliedPlan, (self.plan,)
+
+
+def _restore_plan(cls: Any, d: Mapping[str, Any]) -> _AppliedPlan:
+    return _AppliedPlan(cls.from_dict(d))
+
+
 def applied_plan(model: nn.Module) -> Any:
     """The plan currently applied to ``model`` (``None`` if none)."""
-    return _inner(model).__dict__.get(_ATTR)
+    held = _inner(model).__dict__.get(_ATTR)
+    return held.plan if held is not None else None
 
 
 def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -> nn.Module:
@@ -325,7 +423,10 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
 
     Raises:
         PlanMismatchError: the plan's fingerprint differs from the model's, or a module it names is absent.
-        UnsupportedModelError: a key/value cache is switched on.
+        UnsupportedModelError: a module keeps a key/value cache of its own (``use_kv_cache`` / ``caching`` /
+            ``use_cache`` attributes), or a checkpointed forward is handed a cache (``past_key_values=...``)
+            with gradients on. A Hugging Face ``config.use_cache=True`` in training mode is turned off with
+            one warning instead (as ``gradient_checkpointing_enable`` does) and back on by :func:`remove_plan`.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"apply_plan needs the nn.Module to plan as its first argument, got {type(model).__name__} {model!r:.60}")
@@ -353,12 +454,13 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
 
         hints = {m: difflib.get_close_matches(m, list(mods), n=2) for m in missing[:3]}
         raise PlanMismatchError(f"the plan checkpoints modules this model does not have: {missing[:5]}; close names: {hints}")
-    if chosen:
-        _check_kv_cache(model)
     remove_plan(model)
+    cache_off = _check_kv_cache(model) if chosen else []
     for d in chosen:
         _wrap(mods[d.fqn], d)
-    model.__dict__[_ATTR] = plan
+    model.__dict__[_ATTR] = _AppliedPlan(plan)
+    if cache_off:
+        model.__dict__[_CACHE_OFF] = cache_off
     return outer
 
 
@@ -366,5 +468,8 @@ def remove_plan(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_plan` (no-op if no plan is applied); accepts the same wrappers as :func:`apply_plan`."""
     for mod in model.modules():
         _unwrap(mod)
-    _inner(model).__dict__.pop(_ATTR, None)
+    inner = _inner(model)
+    inner.__dict__.pop(_ATTR, None)
+    for cfg in inner.__dict__.pop(_CACHE_OFF, ()):
+        cfg.use_cache = True
     return model

@@ -31,6 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sacplan.apply import apply_plan, remove_plan
 from sacplan.collect import collect, default_loss, default_optimizer
+from sacplan.collect.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collect.runtime import flop_mapping
 from sacplan.collect.workspace import profiled_cpu_peak
 from sacplan.devices import CPU, DeviceSpec
@@ -153,7 +154,7 @@ def _live_bytes(objs: Iterable[Any]) -> int:
     return total
 
 
-def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: tuple) -> list[torch.Tensor]:
+def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> list[torch.Tensor]:
     ts: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
     ts += [p.grad for p in model.parameters() if p.grad is not None]
     if opt is not None:
@@ -170,7 +171,7 @@ def _cpu_profiled_peak(fn: Callable[[], None], live_at_start: int) -> int:
 
 def measure_step(
     model: nn.Module,
-    args: tuple,
+    args: Inputs,
     step: Callable[[], None],
     opt: torch.optim.Optimizer | None,
     device: torch.device,
@@ -197,7 +198,7 @@ def measure_step(
     return peak, tracker, ms
 
 
-def _tracker_peak(model: nn.Module, args: tuple, step: Callable[[], None], opt: torch.optim.Optimizer | None) -> int:
+def _tracker_peak(model: nn.Module, args: Inputs, step: Callable[[], None], opt: torch.optim.Optimizer | None) -> int:
     """sacplan's own tracker on the real tensors, as an independent cross-check of the profiler."""
     from sacplan.collect.runtime import RuntimeModel
     from sacplan.collect.tracker import BUFFER, GRAD, INPUT, OPT, PARAM, StepRecorder
@@ -223,9 +224,9 @@ def _tracker_peak(model: nn.Module, args: tuple, step: Callable[[], None], opt: 
     return rec.step_peak
 
 
-def _flops(model: nn.Module, args: tuple, loss_fn: Callable[[Any, tuple], torch.Tensor]) -> int:
+def _flops(model: nn.Module, args: Inputs, loss_fn: Callable[[Any, Inputs], torch.Tensor]) -> int:
     with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
-        loss_fn(model(*args), args).backward()
+        loss_fn(call_model(model, args), args).backward()
     model.zero_grad(set_to_none=True)
     return int(fc.get_total_flops())
 
@@ -247,7 +248,7 @@ def validate(
     plan: Any,
     *,
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None | bool = None,
-    loss_fn: Callable[[Any, tuple], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
@@ -260,10 +261,11 @@ def validate(
 
     Args:
         model_fn: builds the model (called twice, after ``torch.manual_seed(seed)``, so weights match).
-        inputs_fn: builds the forward's positional arguments (a tuple or one tensor) on CPU; moved to ``device``.
+        inputs_fn: builds the forward's positional arguments (a tuple or one tensor) or keyword arguments (a
+            dict) on CPU; moved to ``device``.
         plan: a :class:`~sacplan.plan.Plan` (or anything with ``decisions`` / ``fingerprint``).
         optimizer: factory ``params -> Optimizer`` (default AdamW foreach); ``False`` for none.
-        loss_fn: ``(output, inputs) -> scalar`` (default: mean of floating outputs).
+        loss_fn: ``(output, inputs) -> scalar`` or ``(output) -> scalar`` (default: mean of floating outputs).
         device: ``"cuda"`` or ``"cpu"`` (default: CUDA when available).
         dtype: cast the model to this dtype.
         grad_rtol, grad_atol: tolerance when gradients are not bitwise equal (nondeterministic kernels).
@@ -279,14 +281,12 @@ def validate(
         raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"validate supports cpu and cuda devices, not {dev.type!r}")
-    loss = loss_fn or default_loss
+    loss = as_loss(loss_fn) if loss_fn is not None else default_loss
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
 
     torch.manual_seed(seed)
-    raw_inputs = inputs_fn()
-    if not isinstance(raw_inputs, tuple):
-        raw_inputs = (raw_inputs,)
+    raw_inputs = as_inputs(inputs_fn())
 
     # Prediction for this host.
     def build() -> nn.Module:
@@ -316,7 +316,7 @@ def validate(
         opt = opt_factory([p for p in model.parameters() if p.requires_grad]) if opt_factory else None
         # Step 1: gradients to compare, and optimizer state.
         torch.manual_seed(seed + 1)
-        loss(model(*args), args).backward()
+        loss(call_model(model, args), args).backward()
         grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
         if opt is not None:
             opt.step()
@@ -324,7 +324,7 @@ def validate(
 
         def step() -> None:
             torch.manual_seed(seed + 2)
-            l = loss(model(*args), args)
+            l = loss(call_model(model, args), args)
             l.backward()
             del l
             if opt is not None:

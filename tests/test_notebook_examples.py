@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,17 @@ def test_plan_70b_fsdp_small():
 def test_compare_reference():
     out = _run_example("compare_reference.py", "--model", "llama-tiny")
     assert "sacplan sac_milp (sacplan tree)" in out and "PyTorch sac_milp (PyTorch graph)" in out
+
+
+def test_transformers_llama():
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    out = _run_example("transformers_llama.py", "--seq", "64")
+    assert "step 1: loss" in out and "validation on cpu" in out and "gradients: bitwise equal" in out
+
+
+def test_timm_vit():
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed")
+    out = _run_example("timm_vit.py", "--batch", "16")
+    assert "step 1: loss" in out and "validation on cpu" in out and "gradients: bitwise equal" in out

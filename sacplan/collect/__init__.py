@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from sacplan.collect.attention import FusedAttentionMode
+from sacplan.collect.calling import as_inputs, as_loss, call_model
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
 from sacplan.devices import DeviceSpec, get_device
@@ -74,11 +75,13 @@ def collect(
             in fake mode), a zero-argument factory (called on the ``meta`` device first, so initialisers
             with data-dependent ops never run; falls back to building inside fake mode), or a built-in
             preset name such as ``"llama-7b"`` (see :mod:`sacplan.models`).
-        inputs: the forward's positional arguments (a tuple, or one tensor), or a zero-argument factory
-            called inside fake mode. Presets make their own from ``batch``/``seq`` when omitted.
+        inputs: the forward's positional arguments (a tuple, or one tensor), its keyword arguments (a dict,
+            e.g. ``{"input_ids": ids, "labels": ids}``), or a zero-argument factory of either, called inside
+            fake mode. Presets make their own from ``batch``/``seq`` when omitted.
         device: target device name (``"h100"``, ``"a100-40gb"``...) or a :class:`DeviceSpec`.
         optimizer: factory ``params -> Optimizer`` (default AdamW, foreach); ``False`` for no optimizer step.
-        loss_fn: ``(output, inputs) -> scalar``; default :func:`default_loss` (presets bring their own).
+        loss_fn: ``(output, inputs) -> scalar`` or ``(output) -> scalar`` (e.g. ``lambda out: out.loss``;
+            decided by the signature, see :mod:`sacplan.collect.calling`); default :func:`default_loss` (presets bring their own).
         train_step: ``(model, inputs, optimizer) -> Any`` running forward, backward and optimizer step
             yourself; replaces the built-in loop (``loss_fn`` is then unused). It runs twice (the first
             creates optimizer state).
@@ -142,7 +145,7 @@ def collect(
         args = _make_inputs(inputs, preset, fake_mode, batch, seq, dtype)
         if loss_fn is None and preset is not None:
             loss_fn = preset.loss_fn
-        loss = loss_fn or default_loss
+        loss = as_loss(loss_fn) if loss_fn is not None else default_loss
         opt = opt_factory(trainable) if opt_factory else None
 
     recorder = StepRecorder(fmodel, spec, rt)
@@ -150,7 +153,7 @@ def collect(
     attention = FusedAttentionMode(lambda: setattr(recorder, "next_sdpa_random", True)) if spec.attention == "flash" else contextlib.nullcontext()
 
     def builtin_step() -> None:
-        out = fmodel(*args)
+        out = call_model(fmodel, args)
         l = loss(out, args)
         del out
         recorder.close_segment("fw")
@@ -325,7 +328,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 def _make_inputs(
     inputs: Any, preset: Any, fake_mode: FakeTensorMode, batch: int | None, seq: int | None, dtype: torch.dtype | None = None
-) -> tuple:
+) -> tuple | dict:
     if inputs is None:
         if preset is None:
             raise ConfigError("inputs are required unless the model is a built-in preset name")
@@ -336,8 +339,7 @@ def _make_inputs(
         args = inputs()
     else:
         args = inputs
-    if not isinstance(args, tuple):
-        args = (args,)
+    args = as_inputs(args)
 
     def fake(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not _is_fake(x):

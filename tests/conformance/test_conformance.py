@@ -1,0 +1,320 @@
+"""Third-party conformance: real architectures from transformers, timm, torchvision and torch.nn, built from
+config objects at tiny sizes (no weights downloaded), dropout on where the model has it.
+
+For each model: collect on fakes for this host -> solve at three budgets (near the minimum feasible, midway,
+near the no-checkpointing peak) -> apply -> :func:`sacplan.validate.validate` on a real CPU step. Checks,
+each its own test id per model and budget: predicted vs measured peak within 1%, recomputed FLOPs exact,
+gradients bitwise equal; and per model: ``remove_plan`` restores the model exactly. Steps run without an
+optimizer: at these sizes an AdamW step would hold the peak (parameters dominate), where checkpointing cannot
+act; sizes are chosen so activations dominate (the optimizer's step is covered by tests/apply).
+
+Known collect-side mispredictions being fixed elsewhere are ``xfail(strict=False)`` with the measured error
+and cause (see benchmarks/RESULTS.md, "Conformance").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from sacplan.apply import apply_plan, remove_plan
+from sacplan.collect import collect
+from sacplan.devices import CPU
+from sacplan.solve import min_feasible_budget, solve
+from sacplan.tree import ModuleTree
+from sacplan.validate import validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A model to check: ``build()`` a fresh model, ``inputs()`` its forward's arguments, ``loss``."""
+
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], Any]
+    loss: Callable[..., torch.Tensor] | None
+    needs: str  # the library the model comes from (skipped when absent)
+
+
+def _ids(vocab: int = 128, batch: int = 4, seq: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _lm_inputs() -> dict:
+    ids = _ids()
+    return {"input_ids": ids, "labels": ids}
+
+
+def _images(batch: int = 8, size: int = 32) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def _hf_image_inputs() -> dict:
+    return {"pixel_values": _images(), "labels": torch.arange(8) % 10}
+
+
+def _hf_loss(out: Any) -> torch.Tensor:  # the one-argument form users of transformers write
+    return out.loss
+
+
+def _xent(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, torch.arange(8) % 10)
+
+
+# ------------------------------------------------------------------------------------------ transformers
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1)
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128, max_position_embeddings=64))
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                               num_heads=4, decoder_start_token_id=0, dropout_rate=0.1))
+
+
+def _hf_vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=128, num_labels=10,
+                                               hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+
+
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, max_position_embeddings=64, attention_dropout=0.1))
+
+
+# ------------------------------------------------------------------------------------------ torchvision / timm
+def _tv_resnet() -> nn.Module:
+    from torchvision.models import resnet18
+
+    return resnet18(num_classes=10)
+
+
+def _tv_vit() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128,
+                             dropout=0.1, attention_dropout=0.1, num_classes=10)
+
+
+def _timm_resnet() -> nn.Module:
+    from timm.models.resnet import BasicBlock, ResNet
+
+    return ResNet(block=BasicBlock, layers=[1, 1, 1, 1], num_classes=10, drop_rate=0.1)
+
+
+def _timm_vit() -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10,
+                             drop_rate=0.1, proj_drop_rate=0.1, attn_drop_rate=0.1)
+
+
+# ------------------------------------------------------------------------------------------ torch.nn
+def _nn_transformer() -> nn.Module:
+    return nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=128,
+                          dropout=0.1, batch_first=True)
+
+
+def _nn_encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.1, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def _seq_pair() -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 32, 64, generator=g), torch.randn(8, 24, 64, generator=g)
+
+
+def _seq() -> torch.Tensor:
+    return torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(0))
+
+
+class _ScaledGelu(torch.autograd.Function):
+    """A custom autograd Function saving its input (as fused activations in user code do)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return nn.functional.gelu(x) * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            (gx,) = torch.autograd.grad(nn.functional.gelu(xd) * 2, xd, g)
+        return gx
+
+
+class _CustomBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(64, 256), nn.Linear(256, 64), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(_ScaledGelu.apply(self.up(x))))
+
+
+def _custom_fn() -> nn.Module:
+    return nn.Sequential(*[_CustomBlock() for _ in range(3)], nn.LayerNorm(64))
+
+
+CASES: dict[str, Case] = {
+    "hf-llama-gqa": Case(_llama, _lm_inputs, _hf_loss, "transformers"),
+    "hf-gpt2": Case(_gpt2, _lm_inputs, _hf_loss, "transformers"),
+    "hf-bert": Case(_bert, _lm_inputs, _hf_loss, "transformers"),
+    "hf-t5": Case(_t5, _lm_inputs, _hf_loss, "transformers"),
+    "hf-vit": Case(_hf_vit, _hf_image_inputs, _hf_loss, "transformers"),
+    "hf-mixtral-moe": Case(_mixtral, _lm_inputs, _hf_loss, "transformers"),
+    "tv-resnet18": Case(_tv_resnet, _images, _xent, "torchvision"),
+    "tv-vit": Case(_tv_vit, _images, _xent, "torchvision"),
+    "timm-resnet": Case(_timm_resnet, _images, _xent, "timm"),
+    "timm-vit": Case(_timm_vit, _images, _xent, "timm"),
+    "nn-transformer": Case(_nn_transformer, _seq_pair, None, "torch"),
+    "nn-encoder": Case(_nn_encoder, _seq, None, "torch"),
+    "custom-function": Case(_custom_fn, _seq, None, "torch"),
+}
+BUDGETS = ("near-min", "midway", "near-peak")
+
+#: Budgets run by default; the other two are ``slow`` (each validation is two real steps, profiled and traced).
+DEFAULT_BUDGETS = ("midway",)
+
+_MHA = ("collect-side: nn.MultiheadAttention regions are under-predicted (issue 13: nn.Transformer 8.2% above, "
+        "+1.03 MiB at the start of an encoder layer's backward); measured {}")
+#: (model, budget or None for all, check) -> reason: known collect-side mispredictions fixed elsewhere
+#: (helper confcollect), with the error measured here (measured - predicted peak, % of measured).
+XFAIL: dict[tuple[str, str | None, str], str] = {
+    ("nn-encoder", "near-min", "peak"): _MHA.format("+9.01%"),
+    ("nn-encoder", "midway", "peak"): _MHA.format("+4.45%"),
+    ("nn-transformer", "near-min", "peak"): _MHA.format("+10.61%"),
+    ("nn-transformer", "midway", "peak"): _MHA.format("+2.90%"),
+    ("tv-vit", None, "peak"): _MHA.format("issue 13: torchvision ViT 3.9% above"),
+    ("custom-function", None, "peak"): (
+        "new, collect-side: a checkpointed nn.Dropout region (0.drop) keeps its input alive until its backward "
+        "(non-reentrant checkpoint saves the region's inputs) although no op outside saves it: +64 KiB "
+        "(one 8x32x64 fp32 tensor), measured +2.03% near-peak, +2.47% midway"),
+    ("hf-llama-gqa", None, "peak"): (
+        "collect-side: transformers sees FakeTensors as tracing and takes the 4-D mask + repeat_kv path "
+        "(issue 13: no-AC peak 13% over-predicted, plans up to 20%)"),
+    ("hf-bert", None, "flops"): (
+        "collect-side: a full checkpoint of attention.self treats the SDPA forward as saved "
+        "(issue 13: 50.3 M predicted vs 117.4 M recomputed FLOPs)"),
+    ("tv-resnet18", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
+    ("timm-resnet", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
+}
+
+
+def _case(name: str) -> Case:
+    case = CASES[name]
+    if case.needs != "torch" and importlib.util.find_spec(case.needs) is None:
+        pytest.skip(f"{case.needs} is not installed (pip install sacplan[conformance])")
+    return case
+
+
+_SETUPS: dict[str, Any] = {}
+_REPORTS: dict[tuple[str, str], Any] = {}
+
+
+def _setup(name: str) -> tuple[Case, ModuleTree, dict[str, Any]]:
+    """Collect once per model: the tree and the three plans."""
+    if name not in _SETUPS:
+        case = _case(name)
+        torch.manual_seed(0)
+        tree = ModuleTree(collect(case.build, case.inputs(), device=CPU, loss_fn=case.loss, optimizer=False))
+        lo, hi = min_feasible_budget(tree), tree.stats.peak_bytes
+        budgets = {"near-min": lo + (hi - lo) // 50, "midway": (lo + hi) // 2, "near-peak": hi - (hi - lo) // 20}
+        _SETUPS[name] = (case, tree, {b: solve(tree, v) for b, v in budgets.items()})
+    return _SETUPS[name]
+
+
+def _report(name: str, budget: str) -> Any:
+    if (name, budget) not in _REPORTS:
+        case, _, plans = _setup(name)
+        _REPORTS[name, budget] = validate(case.build, case.inputs, plans[budget], loss_fn=case.loss, optimizer=False, device="cpu")
+    return _REPORTS[name, budget]
+
+
+def _params(check: str) -> list[Any]:
+    out = []
+    for name in CASES:
+        for b in BUDGETS:
+            reason = XFAIL.get((name, b, check)) or XFAIL.get((name, None, check))
+            marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+            if b not in DEFAULT_BUDGETS:
+                marks.append(pytest.mark.slow)
+            out.append(pytest.param(name, b, marks=marks, id=f"{name}-{b}"))
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_cache():
+    yield
+    _SETUPS.clear()
+    _REPORTS.clear()
+
+
+@pytest.mark.parametrize("name,budget", _params("peak"))
+def test_peak_within_1pct(name: str, budget: str) -> None:
+    rep = _report(name, budget)
+    assert abs(rep.peak_error) <= 0.01, rep.summary()
+
+
+@pytest.mark.parametrize("name,budget", _params("flops"))
+def test_recomputed_flops_exact(name: str, budget: str) -> None:
+    rep = _report(name, budget)
+    assert rep.measured_recompute_flops == rep.predicted_recompute_flops, rep.summary()
+
+
+@pytest.mark.parametrize("name,budget", _params("grads"))
+def test_gradients_bitwise(name: str, budget: str) -> None:
+    rep = _report(name, budget)
+    assert rep.grads_bitwise_equal, rep.summary()
+
+
+def _state(model: nn.Module) -> list[Any]:
+    cfgs = [vars(m.config).copy() for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "__dict__")]
+    return [sorted((n, sorted(m.__dict__)) for n, m in model.named_modules()), cfgs]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_remove_plan_restores_model(name: str) -> None:
+    case, _, plans = _setup(name)
+    torch.manual_seed(0)
+    model = case.build().train()
+    before, sd = _state(model), {k: v.clone() for k, v in model.state_dict().items()}
+    for plan in plans.values():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Hugging Face: "turns its key/value cache off" (tested in tests/apply)
+            apply_plan(model, plan)
+        remove_plan(model)
+    assert _state(model) == before
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
