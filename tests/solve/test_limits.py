@@ -186,3 +186,24 @@ def test_cli_ctrl_c_exits_130_without_a_partial_file(tmp_path):
     assert proc.returncode == 130, err
     assert not out.exists()
     assert "Traceback" not in err and "interrupted" in err
+
+
+def test_on_interrupt_incumbent_returns_the_best_plan_so_far(monkeypatch):
+    import importlib
+
+    milp_mod = importlib.import_module("sacplan.solve.milp")
+
+    def interrupted(*a, **k):  # Ctrl-C before the search found anything better than the heuristic's plan
+        raise limits.SolveInterrupted(None)
+
+    monkeypatch.setattr(milp_mod, "_solve_budget_model", interrupted)
+    tree = llama_tree(8)
+    budget = int(baseline_peak(tree) * 0.7)
+    with pytest.raises(KeyboardInterrupt):
+        solve(tree, budget)
+    plan = solve(tree, budget, on_interrupt="incumbent")
+    assert plan.status == "interrupted"
+    assert plan.predicted_peak_bytes <= budget and plan.decisions
+    assert plan.bound_ms <= plan.objective_ms and plan.gap >= 0
+    with pytest.raises(ConfigError, match="on_interrupt"):
+        solve(tree, budget, on_interrupt="ignore")
