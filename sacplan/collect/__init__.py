@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from sacplan.collect.attention import FusedAttentionMode
+from sacplan.collect.hf import transformers_real_paths
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
 from sacplan.devices import DeviceSpec, get_device
@@ -149,8 +150,11 @@ def collect(
         train_step(fmodel, args, opt)  # type: ignore[misc]
 
     step = user_step if train_step is not None else builtin_step
+    real_inputs = None if callable(inputs) and not isinstance(inputs, torch.Tensor) else inputs
     try:
-        with fake_mode, attention, recorder:
+        # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
+        # so the fake step runs the kernels the real one runs (restored on exit).
+        with transformers_real_paths(real_inputs), fake_mode, attention, recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)
