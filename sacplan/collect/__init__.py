@@ -385,8 +385,12 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ..
             parent = o.inplace_parent - rec.op_start if o.inplace_parent is not None and o.inplace_parent >= rec.op_start else k
         is_out = any(s in out_sids for s in o.out_sids)
         saved = any(s in packed for s in o.out_sids)
-        # Saving the op that makes the module's output holds nothing extra if the output is kept anyway.
-        cost = 0 if (is_out and any(s in packed for s in rec.out_sids)) else o.new_bytes
+        # Saving the op that makes the module's output holds nothing extra for the output storages if the output
+        # is kept anyway; its other outputs (attention's log-sum-exp beside its output) are still held.
+        if is_out and any(s in packed for s in rec.out_sids):
+            cost = sum(b for s, b in zip(o.out_sids, o.out_new) if s not in out_sids)
+        else:
+            cost = o.new_bytes
         result.append(
             OpStat(
                 index=k, name=name, occurrence=occ, out_bytes=o.new_bytes, runtime_ms=o.ms, flops=o.flops,

@@ -1473,7 +1473,8 @@ def _realise(
 ) -> tuple[list[ModuleDecision], np.ndarray, np.ndarray]:
     """Module decisions with op-level selection; returns them and the realised (y, r).
 
-    A ratio of 1 is a full checkpoint (nothing saved, no selection needed). Otherwise the ops saved hold at
+    A ratio of 1 saves only ops that cost no bytes (an op making the module's output, kept anyway), or is a
+    plain full checkpoint when there are none (a full checkpoint recomputes them too). Otherwise the ops saved hold at
     most ``floor(A·(1 - r))`` bytes, so the realised discard ``A - saved`` is at least ``A·r`` and every
     event's prediction can only fall. When the ops that must be saved (in-place inputs, random ops) do not
     fit, the module falls back to a full checkpoint (discards everything; costs the full recompute).
@@ -1495,7 +1496,7 @@ def _realise(
             sel = opts.selection[opts.level_for(ratio)]
             if sel is None:
                 ratio = 1.0
-        elif ratio < 1.0 - 1e-12 and op_level and st.ops:
+        elif op_level and st.ops:  # at ratio 1: save the free ops (what the trade-off's full discard costs)
             try:
                 sel = select_ops(
                     st.ops,
@@ -1505,6 +1506,8 @@ def _realise(
                 )
             except InfeasibleBudgetError:
                 ratio = 1.0
+        if sel is not None and not sel.saved:
+            sel, ratio = None, 1.0  # nothing saved: a plain full checkpoint
         if sel is None and ratio >= 1.0 - 1e-12:
             r_real[s] = 1.0
             decisions.append(
