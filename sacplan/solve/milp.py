@@ -1286,7 +1286,7 @@ def solve(
             solve_s=0.0,
             per_module_peak=_per_module_peak(problem, problem.peaks(zeros, zeros)),
             min_feasible_bytes=None,
-            meta={"candidates": nc, "op_level": op_level},
+            meta={"candidates": nc, "op_level": op_level, "baseline_peak_at": [stats.peak_phase, stats.peak_module]},
             **common,
         )
 
@@ -1312,6 +1312,7 @@ def solve(
     )
     solve_s = time.perf_counter() - t_solve
     meta: dict[str, Any] = {
+        "baseline_peak_at": [stats.peak_phase, stats.peak_module],
         "candidates": nc,
         "model": model.stats(),
         "events": len(problem.ev_base),
