@@ -70,7 +70,9 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
     """Discarded bytes (per call) and recompute cost of checkpointing ``stats`` with ``choice``.
 
     Groups (in-place chains, random ops) are saved whole if any member is named; ops that must be
-    saved (in-place on a tensor from outside the module) or cost nothing to save are always kept.
+    saved (in-place on a tensor from outside the module) are always kept, and so are ops that cost nothing
+    to save when ``choice`` is a save list. A full checkpoint (``choice=None``) saves nothing else: its
+    recomputation re-runs every op before the early stop, free ones included (as ``apply_plan`` does).
     """
     ops = stats.ops
     keys = op_keys(ops)
@@ -81,7 +83,7 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
         cost = sum(ops[i].save_cost_bytes for i in members)
         outside = any(ops[i].inplace_of == i for i in members)
         named = choice is not None and any(keys[i] in choice for i in members)
-        if outside or cost == 0 or named:
+        if outside or named or (cost == 0 and choice is not None):
             saved_pos.update(members)
     kept = sum(ops[i].save_cost_bytes for i in saved_pos)
     ms = sum(o.runtime_ms for o in ops if o.index < stop and o.index not in saved_pos)

@@ -189,6 +189,25 @@ class Plan:
         """Recompute time as a fraction of the baseline step time."""
         return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
 
+    def peak_advice(self) -> list[str]:
+        """Where the no-checkpointing peak sits and, when checkpointing cannot lower it, what would (lines).
+
+        Reads ``meta["baseline_peak_at"]`` (``[phase, module]`` of the collected step's peak; phase ``"other"`` is
+        the optimizer step or the loss, where every activation is already freed).
+        """
+        where = self.meta.get("baseline_peak_at")
+        if not where:
+            return []
+        phase, module = where[0], where[1] or "<top level>"
+        label = {"fw": "forward", "bw": "backward", "other": "optimizer step / loss"}.get(phase, phase)
+        lines = [f"no-checkpointing peak: {label}" + ("" if phase == "other" else f", in {module}")]
+        if phase == "other":
+            lines.append(
+                "checkpointing cannot lower that peak (no activations are live there): parameters, gradients and "
+                "optimizer state are; a fused or 8-bit optimizer, sharding them (FSDP, world_size=N) or more ranks would"
+            )
+        return lines
+
     def summary(self, extra: Sequence[str] = ()) -> str:
         """A human-readable table of the plan (what ``sacplan plan`` and ``sacplan show`` print).
 
@@ -214,6 +233,7 @@ class Plan:
         ]
         if self.min_feasible_bytes is not None:
             lines.append(f"  minimum feasible     {fmt_bytes(self.min_feasible_bytes)}")
+        lines += [f"  {line}" for line in self.peak_advice()]
         if not self.decisions:
             lines.append("  no module is checkpointed: the model fits the budget as is")
             return "\n".join(lines)

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from sacplan.collect.attention import FusedAttentionMode
 from sacplan.collect.calling import as_inputs, as_loss, call_model
+from sacplan.collect.hf import transformers_real_paths
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
 from sacplan.devices import DeviceSpec, get_device
@@ -170,8 +171,11 @@ def collect(
         train_step(fmodel, args, opt)  # type: ignore[misc]
 
     step = user_step if train_step is not None else builtin_step
+    real_inputs = None if callable(inputs) and not isinstance(inputs, torch.Tensor) else inputs
     try:
-        with fake_mode, attention, recorder:
+        # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
+        # so the fake step runs the kernels the real one runs (restored on exit).
+        with transformers_real_paths(real_inputs), fake_mode, attention, recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)
@@ -401,8 +405,12 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ..
             parent = o.inplace_parent - rec.op_start if o.inplace_parent is not None and o.inplace_parent >= rec.op_start else k
         is_out = any(s in out_sids for s in o.out_sids)
         saved = any(s in packed for s in o.out_sids)
-        # Saving the op that makes the module's output holds nothing extra if the output is kept anyway.
-        cost = 0 if (is_out and any(s in packed for s in rec.out_sids)) else o.new_bytes
+        # Saving the op that makes the module's output holds nothing extra for the output storages if the output
+        # is kept anyway; its other outputs (attention's log-sum-exp beside its output) are still held.
+        if is_out and any(s in packed for s in rec.out_sids):
+            cost = sum(b for s, b in zip(o.out_sids, o.out_new) if s not in out_sids)
+        else:
+            cost = o.new_bytes
         result.append(
             OpStat(
                 index=k, name=name, occurrence=occ, out_bytes=o.new_bytes, runtime_ms=o.ms, flops=o.flops,

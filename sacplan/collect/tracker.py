@@ -100,6 +100,8 @@ class OpRecord:
     is_inplace: bool
     is_random: bool
     inplace_parent: int | None
+    #: bytes each output storage added (parallel to ``out_sids``; 0 where the storage existed before the op)
+    out_new: tuple[int, ...] = ()
 
 
 @dataclass
@@ -301,12 +303,16 @@ class StepRecorder(TorchDispatchMode):
         in_bw = torch._C._current_graph_task_id() != -1
         category = TEMP if (in_bw or self.in_optimizer) else ACT
         fresh = 0
+        out_new = []
         for st in storages_of(out):
             sid = id(st)
             out_sids.append(sid)
             if sid not in self.storages:
                 fresh += 1
-                new_bytes += self._add_storage(st, category)
+                out_new.append(self._add_storage(st, category))
+                new_bytes += out_new[-1]
+            else:
+                out_new.append(0)
         out_keys = tuple(self.storages[sid][2] for sid in out_sids)
         ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
         if ws and self.total + ws > self.seg_peak:
@@ -347,7 +353,7 @@ class StepRecorder(TorchDispatchMode):
                         break
             for sid in out_sids:
                 self.sid_creator.setdefault(sid, g)
-            self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent))
+            self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent, tuple(out_new)))
             for rec in self.fw_stack:
                 rec.fw_ms += ms
                 rec.fw_flops += flops

@@ -1338,7 +1338,7 @@ def _solve(
             solve_s=0.0,
             per_module_peak=_per_module_peak(problem, problem.peaks(zeros, zeros)),
             min_feasible_bytes=None,
-            meta={"candidates": nc, "op_level": op_level},
+            meta={"candidates": nc, "op_level": op_level, "baseline_peak_at": [stats.peak_phase, stats.peak_module]},
             **common,
         )
 
@@ -1369,6 +1369,7 @@ def _solve(
         res, cuts, by_lp = interrupted_result(e.result, model, warm, solver), 0, False
     solve_s = time.perf_counter() - t_solve
     meta: dict[str, Any] = {
+        "baseline_peak_at": [stats.peak_phase, stats.peak_module],
         "candidates": nc,
         "model": model.stats(),
         "events": len(problem.ev_base),
@@ -1531,7 +1532,8 @@ def _realise(
 ) -> tuple[list[ModuleDecision], np.ndarray, np.ndarray]:
     """Module decisions with op-level selection; returns them and the realised (y, r).
 
-    A ratio of 1 is a full checkpoint (nothing saved, no selection needed). Otherwise the ops saved hold at
+    A ratio of 1 saves only ops that cost no bytes (an op making the module's output, kept anyway), or is a
+    plain full checkpoint when there are none (a full checkpoint recomputes them too). Otherwise the ops saved hold at
     most ``floor(A·(1 - r))`` bytes, so the realised discard ``A - saved`` is at least ``A·r`` and every
     event's prediction can only fall. When the ops that must be saved (in-place inputs, random ops) do not
     fit, the module falls back to a full checkpoint (discards everything; costs the full recompute).
@@ -1553,7 +1555,7 @@ def _realise(
             sel = opts.selection[opts.level_for(ratio)]
             if sel is None:
                 ratio = 1.0
-        elif ratio < 1.0 - 1e-12 and op_level and st.ops:
+        elif op_level and st.ops:  # at ratio 1: save the free ops (what the trade-off's full discard costs)
             try:
                 sel = select_ops(
                     st.ops,
@@ -1563,6 +1565,8 @@ def _realise(
                 )
             except InfeasibleBudgetError:
                 ratio = 1.0
+        if sel is not None and not sel.saved:
+            sel, ratio = None, 1.0  # nothing saved: a plain full checkpoint
         if sel is None and ratio >= 1.0 - 1e-12:
             r_real[s] = 1.0
             decisions.append(

@@ -388,8 +388,10 @@ def module_options(
         d = A - sel.saved_bytes
         if d >= 0:
             pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), sel))
-    # Pareto front: by ratio descending, keep strictly cheaper options
-    pts.sort(key=lambda p: (-p[0], p[1], p[2] is not None))
+    # Pareto front: by ratio descending, keep strictly cheaper options. On a tie a save list beats the plain full
+    # checkpoint: it names the free ops (the module's output op) that a full checkpoint would recompute; an
+    # empty save list is the full checkpoint itself.
+    pts.sort(key=lambda p: (-p[0], p[1], 1 if p[2] is None else (0 if p[2].saved else 2)))
     kept: list[tuple[float, float, OpSelection | None]] = []
     for p in pts:
         if not kept or p[1] < kept[-1][1] - 1e-12:
