@@ -100,10 +100,12 @@ def test_full_checkpoint_recomputes_the_output_op() -> None:
 
 
 def test_full_checkpoints_recompute_what_they_predict() -> None:
-    from types import SimpleNamespace
+    from sacplan.plan import ModuleDecision, Plan
 
-    decisions = [SimpleNamespace(fqn=f, checkpoint=True, saved_ops=None) for f in ("attn", "mlp")]
-    plan = SimpleNamespace(decisions=decisions, fingerprint=None)
+    decisions = tuple(ModuleDecision(fqn=f, saved_ops=None) for f in ("attn", "mlp"))  # full checkpoints
+    plan = Plan(decisions=decisions, budget_bytes=1, predicted_peak_bytes=0, baseline_peak_bytes=0, recompute_ms=0.0,
+                baseline_step_ms=0.0, status="hand-made", objective_ms=0.0, bound_ms=0.0, gap=0.0, solver="",
+                build_s=0.0, solve_s=0.0, world_size=1, device_name="cpu", model_name="net", fingerprint="")
     report = validate(_net, _inputs, plan, optimizer=False)
     sdpa_flops = next(o.flops for o in _stats().module("attn").ops if "scaled_dot_product" in o.name)
     assert sdpa_flops > 0 and report.predicted_recompute_flops > sdpa_flops
