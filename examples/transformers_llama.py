@@ -66,7 +66,7 @@ def main() -> None:
     stats = sacplan.collect(model_fn, inputs_fn(), device=args.target, loss_fn=loss_fn)
     tree = sacplan.ModuleTree(stats)
     lo, hi = sacplan.min_feasible_budget(tree), stats.peak_bytes
-    plan = sacplan.solve(tree, int(lo + args.budget_frac * (hi - lo)))
+    plan = sacplan.solve(tree, int(lo + args.budget_frac * (hi - lo)), time_limit_s=10)  # best plan found in 10 s
     print(plan.summary())
 
     model = model_fn().train()

@@ -60,12 +60,12 @@ def test_compare_reference():
 def test_transformers_llama():
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed")
-    out = _run_example("transformers_llama.py", "--seq", "64")
+    out = _run_example("transformers_llama.py", "--seq", "32", timeout=300)
     assert "step 1: loss" in out and "validation on cpu" in out and "gradients: bitwise equal" in out
 
 
 def test_timm_vit():
     if importlib.util.find_spec("timm") is None:
         pytest.skip("timm is not installed")
-    out = _run_example("timm_vit.py", "--batch", "16")
+    out = _run_example("timm_vit.py", "--batch", "16", timeout=300)
     assert "step 1: loss" in out and "validation on cpu" in out and "gradients: bitwise equal" in out

@@ -223,14 +223,34 @@ XFAIL: dict[tuple[str, str | None, str], str] = {
         "(non-reentrant checkpoint saves the region's inputs) although no op outside saves it: +64 KiB "
         "(one 8x32x64 fp32 tensor), measured +2.03% near-peak, +2.47% midway"),
     ("hf-llama-gqa", None, "peak"): (
-        "collect-side: transformers sees FakeTensors as tracing and takes the 4-D mask + repeat_kv path "
-        "(issue 13: no-AC peak 13% over-predicted, plans up to 20%)"),
+        "collect-side: plans measured +5.13% (near-min), +1.69% (midway) above prediction, no-AC exact at this "
+        "config; issue 13's GQA path (FakeTensor seen as tracing: 4-D mask + repeat_kv) or the region-input "
+        "retention below"),
+    ("hf-bert", "near-min", "peak"): (
+        "collect-side: +5.08% with layer.0's attention / intermediate / output checkpointed separately; likely "
+        "the region-input retention (checkpoint keeps a region's inputs until its backward), not isolated"),
+    ("timm-vit", "near-peak", "peak"): (
+        "new, collect-side: checkpointing Dropout modules alone (mlp.drop2, attn.proj_drop) keeps their inputs "
+        "alive (non-reentrant checkpoint saves region inputs) though nothing else saves them: +2.71%"),
     ("hf-bert", None, "flops"): (
         "collect-side: a full checkpoint of attention.self treats the SDPA forward as saved "
         "(issue 13: 50.3 M predicted vs 117.4 M recomputed FLOPs)"),
+    ("hf-gpt2", None, "peak"): (
+        "collect-side: +6.27% near-min, +1.38% midway, +3.93% near-peak (4 Dropout modules checkpointed alone, "
+        "0 FLOPs recomputed): the region-input retention (checkpoint keeps inputs nothing else saves)"),
+    ("hf-t5", "midway", "peak"): "collect-side: +1.61% (7.74 MiB measured vs 7.62 predicted), not isolated",
     ("tv-resnet18", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
     ("timm-resnet", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
 }
+
+
+#: Models whose collection fails (new, collect-side): every check of theirs is xfail with this reason.
+_MOE = ("new, collect-side: CollectionError in model.layers.0.mlp.experts: transformers' experts call "
+        "aten._grouped_mm, whose meta kernel (FakeTensor) demands bf16 inputs ('Expected inputs of BF16 type but "
+        "got mat_a.dtype=torch.float32'), while the real fp32 CPU step runs")
+BROKEN: dict[str, str] = {"hf-mixtral-moe": _MOE}
+for _check in ("peak", "flops", "grads"):
+    XFAIL[("hf-mixtral-moe", None, _check)] = _MOE
 
 
 def _case(name: str) -> Case:
@@ -241,25 +261,36 @@ def _case(name: str) -> Case:
 
 
 _SETUPS: dict[str, Any] = {}
+_PLANS: dict[tuple[str, str], Any] = {}
 _REPORTS: dict[tuple[str, str], Any] = {}
 
 
-def _setup(name: str) -> tuple[Case, ModuleTree, dict[str, Any]]:
-    """Collect once per model: the tree and the three plans."""
+def _setup(name: str) -> tuple[Case, ModuleTree, dict[str, int]]:
+    """Collect once per model: the tree and the three budgets (bytes)."""
     if name not in _SETUPS:
         case = _case(name)
         torch.manual_seed(0)
         tree = ModuleTree(collect(case.build, case.inputs(), device=CPU, loss_fn=case.loss, optimizer=False))
         lo, hi = min_feasible_budget(tree), tree.stats.peak_bytes
         budgets = {"near-min": lo + (hi - lo) // 50, "midway": (lo + hi) // 2, "near-peak": hi - (hi - lo) // 20}
-        _SETUPS[name] = (case, tree, {b: solve(tree, v) for b, v in budgets.items()})
+        _SETUPS[name] = (case, tree, budgets)
     return _SETUPS[name]
+
+
+def _plan(name: str, budget: str) -> Any:
+    """The plan at one budget (solved on first use). A 2% gap and a 10 s limit bound each solve (a proven
+    optimum for the 32-module Llama took 45-70 s with HiGHS here); any feasible plan is a valid subject."""
+    if (name, budget) not in _PLANS:
+        _, tree, budgets = _setup(name)
+        _PLANS[name, budget] = solve(tree, budgets[budget], gap_rel=0.02, time_limit_s=10)
+    return _PLANS[name, budget]
 
 
 def _report(name: str, budget: str) -> Any:
     if (name, budget) not in _REPORTS:
-        case, _, plans = _setup(name)
-        _REPORTS[name, budget] = validate(case.build, case.inputs, plans[budget], loss_fn=case.loss, optimizer=False, device="cpu")
+        case = _setup(name)[0]
+        _REPORTS[name, budget] = validate(case.build, case.inputs, _plan(name, budget), loss_fn=case.loss,
+                                          optimizer=False, device="cpu")
     return _REPORTS[name, budget]
 
 
@@ -279,6 +310,7 @@ def _params(check: str) -> list[Any]:
 def _free_module_cache():
     yield
     _SETUPS.clear()
+    _PLANS.clear()
     _REPORTS.clear()
 
 
@@ -305,13 +337,15 @@ def _state(model: nn.Module) -> list[Any]:
     return [sorted((n, sorted(m.__dict__)) for n, m in model.named_modules()), cfgs]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.xfail(strict=False, reason=BROKEN[n])] if n in BROKEN else []) for n in CASES]
+)
 def test_remove_plan_restores_model(name: str) -> None:
-    case, _, plans = _setup(name)
+    case = _setup(name)[0]
     torch.manual_seed(0)
     model = case.build().train()
     before, sd = _state(model), {k: v.clone() for k, v in model.state_dict().items()}
-    for plan in plans.values():
+    for plan in [_plan(name, b) for b in DEFAULT_BUDGETS]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Hugging Face: "turns its key/value cache off" (tested in tests/apply)
             apply_plan(model, plan)
