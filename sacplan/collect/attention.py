@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from sacplan.collect.kernels import MATH, fused_sdpa, route_dropout, sdpa_backend
+
 aten = torch.ops.aten
 
 
@@ -37,6 +39,9 @@ class FusedAttentionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
+        routed, result = route_dropout(func, args, kwargs)
+        if routed:
+            return result
         return func(*args, **kwargs)
 
     def _sdpa(
@@ -65,7 +70,9 @@ class FusedAttentionMode(TorchFunctionMode):
             self.on_dropout()
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, -math.inf)
-        out, _lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-        )
-        return out
+        backend = sdpa_backend(query, key, value, attn_mask, dropout_p)
+        if backend == MATH:
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+            )
+        return fused_sdpa(backend, query, key, value, attn_mask, dropout_p, is_causal, scale)
