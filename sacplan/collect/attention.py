@@ -4,7 +4,8 @@ On a CPU host, ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (or som
 math path, which saves s×s scores, probabilities and a dropout mask — on a long sequence that is most of
 the model's activation memory, and it is not what a GPU's flash / memory-efficient / cuDNN kernel keeps
 (output + log-sum-exp + RNG state). When the target's ``DeviceSpec.attention == "flash"``, this
-``TorchFunctionMode`` routes every SDPA call to the host's fused flash kernel with the same shapes, so
+``TorchFunctionMode`` routes every SDPA call to the fused kernel the target's dispatcher would pick (flash or
+memory-efficient, see :data:`sacplan.collect.kernels.KERNEL_TABLE`; dropout goes to ``native_dropout``), so
 memory, FLOPs and saved tensors are those of a fused kernel; a call with dropout is flagged random (its
 dropout happens inside the kernel on the target, so recomputation must replay the same RNG state).
 """
