@@ -39,7 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from sacplan.errors import ConfigError, PlanMismatchError, UnsupportedModelError
 from sacplan.fingerprint import canonical_names, model_fingerprint
 from sacplan.plan import Plan
-from sacplan.opnames import RANDOM, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
+from sacplan.opnames import RANDOM, dropout_is_fused, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
 
 __all__ = ["apply_plan", "remove_plan", "applied_plan", "make_policy"]
 
@@ -59,7 +59,12 @@ def _eager_decomposes_dropout(args: tuple) -> bool:
 
 
 def make_policy(
-    saved: set[tuple[str, int]], save_random: bool, outside: frozenset[int] = frozenset(), *, compiled: bool = False
+    saved: set[tuple[str, int]],
+    save_random: bool,
+    outside: frozenset[int] = frozenset(),
+    *,
+    compiled: bool = False,
+    fused_dropout: bool = False,
 ) -> Callable[..., CheckpointPolicy]:
     """A fresh SAC policy function that saves ops whose ``(family, occurrence)`` is in ``saved``.
 
@@ -69,18 +74,31 @@ def make_policy(
     tensors are functional wrappers without storage pointers; there an in-place write into a tensor that
     does not require grad (buffers, inputs without grad) is always saved: recomputing it would read the
     buffer after AOTAutograd's epilogue has written the new value back (an autograd version error).
+    ``fused_dropout``: the plan numbers ops as a CUDA target runs them (dropout is one ``native_dropout``,
+    see :mod:`sacplan.collect.kernels`). Eager dropout on a CPU host then decomposes into ``empty_like``,
+    ``bernoulli_``, ``div_``, ``mul``: the three non-random companions are not counted and follow the random
+    decision, so every other op keeps the plan's occurrence numbers.
     The occurrence counters live in the returned closure, so call this once per forward invocation.
     """
     counters: dict[tuple[bool, str], int] = {}
+    noise: dict[bool, int] = {}  # fused_dropout: storage of the last decomposed dropout's noise tensor
+    pending: dict[bool, list[str]] = {}  # its companions still to come
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         rnd = is_random_op(func)
         fam = family(str(func), rnd)
         recompute = bool(getattr(ctx, "is_recompute", False))
+        if fused_dropout and not compiled:
+            companion = _dropout_companion(func, args, recompute, noise, pending, counters)
+            if companion is not None:
+                return companion if not save_random else CheckpointPolicy.MUST_SAVE
         key = (recompute, fam)
         occ = counters.get(key, 0)
         counters[key] = occ + 1
-        if compiled and func is _NATIVE_DROPOUT and _eager_decomposes_dropout(args):
+        if fused_dropout and save_random and not compiled and str(func) == "aten.empty_like.default":
+            # may head a decomposed dropout whose noise is saved: the cache must hold the filled tensor
+            return CheckpointPolicy.MUST_SAVE
+        if compiled and not fused_dropout and func is _NATIVE_DROPOUT and _eager_decomposes_dropout(args):
             for fam2 in _CPU_DROPOUT_COMPANIONS:  # keep the occurrences eager on this device would count
                 counters[(recompute, fam2)] = counters.get((recompute, fam2), 0) + 1
         if outside and is_inplace_op(func) and _writes_outside(func, args, kwargs, outside):
@@ -94,14 +112,46 @@ def make_policy(
     return policy
 
 
-def _compiled_context(saved: tuple[tuple[str, int], ...], save_random: bool, mutation: bool) -> Any:
+def _dropout_companion(
+    func: Any, args: tuple, recompute: bool, noise: dict[bool, int], pending: dict[bool, list[str]],
+    counters: dict[tuple[bool, str], int],
+) -> CheckpointPolicy | None:
+    """For a fused-numbered plan on a decomposing host: PREFER_RECOMPUTE for a dropout companion (not counted).
+
+    ``bernoulli_`` filling a fresh ``empty_like`` marks the pair: the ``empty_like`` already counted is taken
+    back, and the next ``div_`` of that noise tensor and ``mul`` by it are companions. Returns ``None`` for
+    every other op.
+    """
+    name = str(func)
+    x = args[0] if args else None
+    if name == "aten.bernoulli_.float" and isinstance(x, torch.Tensor):
+        k = (recompute, "aten.empty_like.default")
+        if counters.get(k, 0) > 0 and x.device.type == "cpu":
+            counters[k] -= 1
+            noise[recompute] = x.untyped_storage().data_ptr()
+            pending[recompute] = ["aten.div_.Scalar", "aten.mul.Tensor"]
+        return None
+    todo = pending.get(recompute)
+    if not todo or name != todo[0]:
+        return None
+    ptr = noise.get(recompute)
+    if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr for a in args):
+        todo.pop(0)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return None
+
+
+def _compiled_context(
+    saved: tuple[tuple[str, int], ...], save_random: bool, mutation: bool, fused_dropout: bool = False
+) -> Any:
     """SAC contexts for a region traced by ``torch.compile``.
 
     Module-level and called through ``functools.partial`` with constant arguments: Dynamo accepts only such a
     ``context_fn`` (a closure raises ``NotImplementedError: checkpoint not implemented for ... context_fn``).
     """
     return create_selective_checkpoint_contexts(
-        make_policy(set(saved), save_random, compiled=True), allow_cache_entry_mutation=mutation
+        make_policy(set(saved), save_random, compiled=True, fused_dropout=fused_dropout),
+        allow_cache_entry_mutation=mutation,
     )
 
 
@@ -279,15 +329,18 @@ def _refuse_cache_kwargs(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
             )
 
 
-def _settings(decision: Any) -> tuple[frozenset[tuple[str, int]], bool, bool]:
-    """(saved ``(family, occurrence)`` keys, save random ops, cache entries may be mutated) of a decision."""
+def _settings(decision: Any, fused_dropout: bool) -> tuple[frozenset[tuple[str, int]], bool, bool, bool]:
+    """(saved ``(family, occurrence)`` keys, save random ops, cache entries may be mutated, ``fused_dropout``)
+    of a decision (``fused_dropout``: see :func:`make_policy`)."""
     saved_ops = getattr(decision, "saved_ops", None)
     if saved_ops is None:
-        return frozenset(), False, False
+        return frozenset(), False, False, fused_dropout
     saved, save_random = _saved_keys(decision)
     # Saving an in-place group caches its head, which the group's in-place ops then mutate; the cache must
-    # then hand back the mutated (final) value, which is what the forward produced.
-    return frozenset(saved), save_random, any(_saves_inplace(e) for e in saved_ops)
+    # then hand back the mutated (final) value, which is what the forward produced. Saved dropout companions
+    # of a fused-numbered plan include div_ (in place) too.
+    mutation = any(_saves_inplace(e) for e in saved_ops) or (fused_dropout and save_random)
+    return frozenset(saved), save_random, mutation, fused_dropout
 
 
 class _PlannedForward:
@@ -298,11 +351,14 @@ class _PlannedForward:
     ``torch.save``-d planned model trains its own parameters with the same plan.
     """
 
-    def __init__(self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool) -> None:
+    def __init__(
+        self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool, fused_dropout: bool
+    ) -> None:
         self.module = module
         self.saved = saved
         self.save_random = save_random
         self.mutation = mutation
+        self.fused_dropout = fused_dropout
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature sees the module's own forward
@@ -318,10 +374,12 @@ class _PlannedForward:
             return bound(*args, **kwargs)  # inference: nothing to save, nothing to recompute
         _refuse_cache_kwargs(module, kwargs)
         if torch.compiler.is_compiling():
-            ctx = functools.partial(_compiled_context, tuple(sorted(self.saved)), self.save_random, self.mutation)
+            ctx = functools.partial(
+                _compiled_context, tuple(sorted(self.saved)), self.save_random, self.mutation, self.fused_dropout
+            )
             return checkpoint(bound, *args, use_reentrant=False, context_fn=ctx, **kwargs)
         outside = _outside_ptrs(module, args, kwargs)
-        saved, save_random, mutation = set(self.saved), self.save_random, self.mutation
+        saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
         # Hand checkpoint each distinct tensor once and rebuild the arguments from them: with saved-tensor
         # hooks active (offloading, a memory tracker) recomputation gets a new tensor object per saved input,
         # and a forward that branches on identity (nn.MultiheadAttention's ``query is key``) must see the
@@ -346,17 +404,18 @@ class _PlannedForward:
 
         def context_fn() -> Any:
             return create_selective_checkpoint_contexts(
-                make_policy(saved, save_random, outside), allow_cache_entry_mutation=mutation or bool(outside)
+                make_policy(saved, save_random, outside, fused_dropout=fused_dropout),
+                allow_cache_entry_mutation=mutation or bool(outside),
             )
 
         return checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn)
 
 
-def _wrap(module: nn.Module, decision: Any) -> None:
+def _wrap(module: nn.Module, decision: Any, fused_dropout: bool = False) -> None:
     _unwrap(module)  # a module named twice (or shared under two names) is wrapped once, by its last decision
     orig = module.__dict__.get("forward", None)
     module.__dict__[_ORIG] = orig
-    module.forward = _PlannedForward(module, *_settings(decision))  # type: ignore[method-assign]
+    module.forward = _PlannedForward(module, *_settings(decision, fused_dropout))  # type: ignore[method-assign]
 
 
 def _unwrap(module: nn.Module) -> None:
@@ -456,8 +515,9 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
         raise PlanMismatchError(f"the plan checkpoints modules this model does not have: {missing[:5]}; close names: {hints}")
     remove_plan(model)
     cache_off = _check_kv_cache(model) if chosen else []
+    fused = dropout_is_fused(getattr(plan, "device_name", ""))
     for d in chosen:
-        _wrap(mods[d.fqn], d)
+        _wrap(mods[d.fqn], d, fused)
     model.__dict__[_ATTR] = _AppliedPlan(plan)
     if cache_off:
         model.__dict__[_CACHE_OFF] = cache_off

@@ -87,3 +87,21 @@ def saved_op_keys(saved_ops: Any) -> frozenset[tuple[str, int]]:
         else:
             keys.add((family(name), int(occurrence)))
     return frozenset(keys)
+
+
+def dropout_is_fused(device_name: str) -> bool:
+    """Whether stats/plans for ``device_name`` number dropout as one ``native_dropout`` (a CUDA target).
+
+    Collection routes dropout to ``native_dropout`` for every target whose attention is fused (a GPU,
+    see :mod:`sacplan.collect.kernels`); the CPU spec keeps the host's decomposed dropout. Unknown names
+    (a custom spec) count as GPUs unless named ``"CPU"``.
+    """
+    from sacplan.devices import get_device
+    from sacplan.errors import UnknownDeviceError
+
+    if not device_name:
+        return False
+    try:
+        return get_device(device_name).attention == "flash"
+    except UnknownDeviceError:
+        return device_name.upper() != "CPU"

@@ -172,8 +172,9 @@ class ModuleTree:
         ``param_per_module``/``grad_per_module`` = subtree parameter bytes; ``grad_total`` = gradient
         bytes live at the module's backward start; ``act_fw_per_module`` = activation bytes full
         checkpointing frees; ``act_bw_per_module`` = activation bytes at the backward peak;
-        ``act_grad_per_module`` = backward peak above backward start; ``act_total`` = activation +
-        input bytes live after the module's forward; ``sac_memory = act_fw_per_module`` (so the
+        ``act_grad_per_module`` = growth of backward-temporary (TEMP: activation gradients) bytes from
+        the backward start to the backward peak, as ``ilp_utils.aggregate_stats`` takes it from MemTracker;
+        ``act_total`` = activation bytes live after the module's forward (inputs not included, as PyTorch's); ``sac_memory = act_fw_per_module`` (so the
         reference's ``ACM == IA``) and ``sac_runtime`` = full recompute ms, with sacplan's trade-off lines
         as slopes/intercepts (same (r, q) units as the reference's pwlf fit).
         """
@@ -196,8 +197,8 @@ class ModuleTree:
                     "grad_total": pre_bw.grad if pre_bw else 0,
                     "act_fw_per_module": act_fw,
                     "act_bw_per_module": max(0, peak_bw.activation) if peak_bw else 0,
-                    "act_grad_per_module": s.act_grad_bytes[0] if s.act_grad_bytes else 0,
-                    "act_total": (post_fw.activation + post_fw.input) if post_fw else 0,
+                    "act_grad_per_module": (peak_bw.temp - pre_bw.temp) if peak_bw and pre_bw else 0,
+                    "act_total": post_fw.activation if post_fw else 0,
                     "input_per_module": s.input_bytes,
                     "output_per_module": s.output_bytes,
                     "fw_runtime_per_module": sum(s.fw_ms),

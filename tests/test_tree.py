@@ -144,3 +144,44 @@ def test_bad_trees_raise_config_error(stats):
 def test_module_tree_needs_model_stats(stats):
     with pytest.raises(ConfigError, match="ModelStats"):
         ModuleTree(stats)
+
+
+def test_module_info_fields_match_memtracker_on_cpu_fakes():
+    """PyTorch's MemTracker on CPU fakes of the same MLP (CPU kernels on both sides): ModuleInfo fields as
+    ``ilp_utils.aggregate_stats`` defines them. Matched to the byte: parameters, grad_total, act_fw, outputs,
+    and act_grad (TEMP growth) of the leaves. Still differing (not yet reconciled): act_total/act_bw by the
+    model output's bytes, the root's act_grad, and input bytes (MemTracker does not count the untracked input).
+    """
+    import torch
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    from sacplan.collect import collect
+    from sacplan.devices import CPU
+
+    mk = lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))  # noqa: E731
+    st = collect(mk, (torch.randn(16, 64),), device=CPU, optimizer=False)
+    ours = {m["fqn"]: m for m in ModuleTree(st).to_torch_module_info()["mod_stats"]}
+    with FakeTensorMode():
+        m, x = mk(), torch.randn(16, 64)
+        mt = MemTracker()
+        mt.track_external(m)
+        with mt:
+            for i in range(2):  # second step, as sacplan records
+                if i:
+                    mt.reset_mod_stats()
+                m(x).float().mean().backward()
+                m.zero_grad(set_to_none=True)
+    dev = torch.device("cpu")
+    assert len(mt.memory_tracking) == 4
+    for ms in mt.memory_tracking.values():
+        g = lambda s, t: ms.snapshots[s][-1][dev][t]  # noqa: E731
+        o = ours[ms.mod_fqn]
+        assert o["param_per_module"] == o["grad_per_module"] == ms.parameter_mem
+        assert o["grad_total"] == g(_ModState.PRE_BW, _MemRefType.GRAD)
+        act_fw = g(_ModState.POST_FW, _MemRefType.ACT) - g(_ModState.PRE_FW, _MemRefType.ACT) - ms.output_mem
+        assert o["act_fw_per_module"] == max(0, act_fw)
+        assert o["output_per_module"] == ms.output_mem
+        if o["is_leaf"] and ms.mod_fqn != "Sequential":
+            assert o["act_grad_per_module"] == g(_ModState.PEAK_BW, _MemRefType.TEMP) - g(_ModState.PRE_BW, _MemRefType.TEMP)

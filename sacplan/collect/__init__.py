@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from sacplan.collect.attention import FusedAttentionMode
 from sacplan.collect.calling import as_inputs, as_loss, call_model
 from sacplan.collect.hf import transformers_real_paths
+from sacplan.collect.kernels import host_state_tensors
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
 from sacplan.devices import DeviceSpec, get_device
@@ -150,7 +151,7 @@ def collect(
         opt = opt_factory(trainable) if opt_factory else None
 
     recorder = StepRecorder(fmodel, spec, rt)
-    hooks = _install_state_hooks(fmodel, opt, recorder)
+    hooks = _install_state_hooks(fmodel, opt, recorder, cuda_target=spec.attention == "flash")
     attention = FusedAttentionMode(lambda: setattr(recorder, "next_sdpa_random", True)) if spec.attention == "flash" else contextlib.nullcontext()
 
     def builtin_step() -> None:
@@ -363,7 +364,9 @@ def _warm_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _install_state_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, rec: StepRecorder) -> list[Any]:
+def _install_state_hooks(
+    model: nn.Module, opt: torch.optim.Optimizer | None, rec: StepRecorder, cuda_target: bool = False
+) -> list[Any]:
     handles = []
     for p in model.parameters():
         if p.requires_grad:
@@ -377,6 +380,8 @@ def _install_state_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, re
         def post(o: Any, args: Any, kwargs: Any) -> None:
             for state in o.state.values():
                 rec.relabel([v for v in state.values() if isinstance(v, torch.Tensor)], OPT)
+            if cuda_target:
+                rec.untrack(host_state_tensors(o))
             rec.close_segment("other")
             rec.in_optimizer = False
 
@@ -425,9 +430,13 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ..
 def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer | None, spec: DeviceSpec) -> dict[str, tuple[int, int, int]]:
     opt_bytes: dict[int, int] = {}
     if opt is not None:
+        # a CUDA target keeps non-capturable optimizers' step scalars on the host (sacplan.collect.kernels)
+        host = {id(t) for t in host_state_tensors(opt)} if spec.attention == "flash" else set()
         for p, state in opt.state.items():
-            opt_bytes[id(p)] = sum(spec.round_alloc(v.untyped_storage().nbytes()) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0) + sum(
-                spec.round_alloc(v.untyped_storage().nbytes()) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() == 0
+            opt_bytes[id(p)] = sum(
+                spec.round_alloc(v.untyped_storage().nbytes())
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and id(v) not in host
             )
     out = {}
     for name, mod in model.named_modules():

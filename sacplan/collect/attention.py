@@ -4,7 +4,8 @@ On a CPU host, ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (or som
 math path, which saves s×s scores, probabilities and a dropout mask — on a long sequence that is most of
 the model's activation memory, and it is not what a GPU's flash / memory-efficient / cuDNN kernel keeps
 (output + log-sum-exp + RNG state). When the target's ``DeviceSpec.attention == "flash"``, this
-``TorchFunctionMode`` routes every SDPA call to the host's fused flash kernel with the same shapes, so
+``TorchFunctionMode`` routes every SDPA call to the fused kernel the target's dispatcher would pick (flash or
+memory-efficient, see :data:`sacplan.collect.kernels.KERNEL_TABLE`; dropout goes to ``native_dropout``), so
 memory, FLOPs and saved tensors are those of a fused kernel; a call with dropout is flagged random (its
 dropout happens inside the kernel on the target, so recomputation must replay the same RNG state).
 """
@@ -17,6 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from sacplan.collect.kernels import MATH, fused_sdpa, route_dropout, sdpa_backend
 
 aten = torch.ops.aten
 
@@ -37,6 +40,9 @@ class FusedAttentionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
+        routed, result = route_dropout(func, args, kwargs)
+        if routed:
+            return result
         return func(*args, **kwargs)
 
     def _sdpa(
@@ -65,7 +71,9 @@ class FusedAttentionMode(TorchFunctionMode):
             self.on_dropout()
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, -math.inf)
-        out, _lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-        )
-        return out
+        backend = sdpa_backend(query, key, value, attn_mask, dropout_p)
+        if backend == MATH:
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+            )
+        return fused_sdpa(backend, query, key, value, attn_mask, dropout_p, is_causal, scale)

@@ -262,6 +262,15 @@ class StepRecorder(TorchDispatchMode):
         """Move already-tracked storages of ``t`` to ``category`` (untracked ones are added)."""
         self.register(t, category)
 
+    def untrack(self, t: Any) -> None:
+        """Count the storages of ``t`` as 0 device bytes from now on (they live on the target's host)."""
+        for st in storages_of(t):
+            info = self.storages.get(id(st))
+            if info is not None and info[0]:
+                self.live[info[1]] -= info[0]
+                self.total -= info[0]
+                info[0] = 0
+
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.live)
 

@@ -66,8 +66,8 @@ def sac_milp(
         time_limit_s: wall-clock budget (s) of the call (default 60; None: none); <= 0 or NaN: ConfigError.
 
     Returns:
-        ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios rounded to 4 digits and ms to 2 like
-        PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
+        ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios to 4 digits (rounded up, so the plan
+        never exceeds the budget: peak_bytes <= budget) and ms to 2 like PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
     """
     budget = _budget_bytes(memory_budget)
     if isinstance(graph, ModuleTree):
@@ -88,7 +88,7 @@ def sac_milp(
         except InfeasibleBudgetError:
             return {}, 0, -1
         return (
-            {d.fqn: round(d.discard_ratio, 4) for d in plan.decisions},
+            {d.fqn: _ratio_up(d.discard_ratio) for d in plan.decisions},
             round(plan.recompute_ms, 2),
             int(plan.predicted_peak_bytes),
         )
@@ -111,6 +111,7 @@ def _graph_milp(
     solver: str,
     gap_rel: float,
     time_limit_s: float | None,
+    _retry: bool = True,
 ) -> tuple[dict[str, float], float, int]:
     solver = check_solver(solver)
     nodes: list[Mapping[str, Any]] = list(graph.nodes)
@@ -278,14 +279,28 @@ def _graph_milp(
     for i in cand:
         if x[y[i]] > 0.5:
             yv[i] = 1.0
-            rv[i] = min(1.0, max(0.0, x[r[i]]))
-            decisions[nodes[i]["fqn"]] = round(float(rv[i]), 4)
+            # 4 digits like PyTorch's, rounded up: a larger ratio discards more, so the rounded plan stays
+            # within the budget (to the nearest, it could exceed it by up to 0.5e-4 of a node's memory)
+            rv[i] = _ratio_up(x[r[i]])
+            decisions[nodes[i]["fqn"]] = rv[i]
     d = ACM * rv - (ACM - IA) * yv
     dpos = np.array([d[i] for i in entries])
     F = np.concatenate([[0.0], np.cumsum(dpos)])
     m = base - F[pos]
-    peak = int(round(float(np.max(m)) * _GIB))
+    peak = int(math.ceil(float(np.max(m)) * _GIB - 1e-6))
+    budget_bytes = int(math.floor(budget_gib * _GIB + 1e-6))
+    if peak > budget_bytes and _retry:
+        # within the solver's feasibility tolerance above the budget: solve again just below it
+        return _graph_milp(graph, budget_gib - (peak - budget_bytes + 1024) / _GIB, world_size, ac_units,
+                           fsdp_units, solver, gap_rel, time_limit_s, _retry=False)
+    if peak > budget_bytes:
+        return {}, 0, -1
     return decisions, round(float(res.objective), 2), peak
+
+
+def _ratio_up(r: float) -> float:
+    """A discard ratio in [0, 1] rounded up to 4 digits (never below the solver's value)."""
+    return min(1.0, math.ceil(min(1.0, max(0.0, float(r))) * 1e4 - 1e-7) / 1e4)
 
 
 def _warm_start(model: MilpModel, cand: list[int], y: dict[int, int], parent_c: dict[int, int], solver: str):

@@ -156,7 +156,9 @@ def test_flops_match_flop_counter_mode_on_llama_tiny():
         preset.loss_fn(model(*inputs), inputs).backward()
     assert stats.fw_flops + stats.bw_flops == counter.get_total_flops()
     attn = stats.module("layers.0.attention")
-    kernel = next(o for o in attn.ops if "flash_attention" in o.name)
+    # fp32 on a CUDA target: the memory-efficient kernel (flash takes fp16/bf16 only)
+    kernel = next(o for o in attn.ops if "scaled_dot_product" in o.name)
+    assert kernel.name == "aten._scaled_dot_product_efficient_attention.default"
     b, s, h, hd = preset.default_batch, preset.default_seq, 4, 16
     # q·kᵀ and p·v: 2 · (2·b·h·s·s·hd) (sdpa_flop_count does not halve for causal)
     assert kernel.flops == 4 * b * h * s * s * hd

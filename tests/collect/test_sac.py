@@ -162,17 +162,18 @@ def test_target_attention_saves_no_score_matrix(attn_h100):
     assert act < scores / 20
     bsd = B * S * D * 4  # one (B, S, D) fp32 tensor: 512 KiB
     lse = B * H * S * 4  # log-sum-exp (B, H, S) fp32
-    # rotated q and k (made by apply_rotary), v (wv's output), the kernel output + lse, and the output
-    # dropout's mask (the host's float noise tensor, (B, S, D) fp32)
-    assert act == 3 * bsd + (bsd + lse) + bsd
+    # rotated q and k (made by apply_rotary), v (wv's output), the memory-efficient kernel's output + lse
+    # (CUDA runs it for fp32) + its seed/offset int64 scalars (one 512 B allocation each), and the output
+    # dropout's mask (CUDA's native_dropout: bool, 1 B/elem)
+    assert act == 3 * bsd + (bsd + lse + 2 * 512) + bsd // 4
     kernel = [o for o in attn_h100.ops if "scaled_dot_product" in o.name]
     assert len(kernel) == 1
     k = kernel[0]
-    assert k.name == "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert k.name == "aten._scaled_dot_product_efficient_attention.default"
     assert k.is_random  # dropout_p > 0 runs inside the target's kernel
-    assert k.out_bytes == bsd + lse and k.saved_by_autograd
-    # random ops: the kernel and the output dropout's bernoulli_, decided together
-    assert {o.name for o in attn_h100.ops if o.is_random} == {k.name, "aten.bernoulli_.float"}
+    assert k.out_bytes == bsd + lse + 2 * 512 and k.saved_by_autograd
+    # random ops: the kernel and the output dropout (CUDA's native_dropout), decided together
+    assert {o.name for o in attn_h100.ops if o.is_random} == {k.name, "aten.native_dropout.default"}
 
 
 def test_host_math_attention_keeps_score_matrices(attn_cpu, attn_h100):

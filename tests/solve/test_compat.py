@@ -75,3 +75,21 @@ def test_module_tree_path():
     assert sac_milp(tree, 0.01, world_size=8) == ({}, 0, -1)
     # nothing needed above the baseline
     assert sac_milp(tree, base * 1.01 / GiB, world_size=8)[0] == {}
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), frac=st.floats(0.3, 1.0))
+def test_graph_plan_never_exceeds_budget(seed, frac):
+    """Ratios are rounded to 4 digits upwards (more discarded), so the returned peak is <= the budget."""
+    info = build_tree(random_spec(random.Random(seed), max_modules=8)).to_torch_module_info()
+    peak, _ = get_peak_memory_runtime_baseline(_graph(info))
+    budget_gib = peak * frac / GiB
+    ratios, _, got = sac_milp(_graph(info), budget_gib)
+    if got == -1:
+        return
+    assert got <= budget_gib * GiB
+    assert all(0 <= r <= 1 and round(r, 4) == r for r in ratios.values())
