@@ -29,7 +29,8 @@ import subprocess
 import sys
 import time
 
-GiB = 2**30
+from sacplan.units import GiB
+
 SEQ, BATCH = 4096, 1
 
 

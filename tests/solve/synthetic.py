@@ -29,9 +29,7 @@ from typing import Sequence
 from sacplan.devices import DeviceSpec
 from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, TradeOff
 from sacplan.tree import ModuleTree
-
-GiB = 2**30
-MiB = 2**20
+from sacplan.units import GiB, MiB
 
 #: An H100-SXM-like target (figures only matter for bookkeeping here).
 H100 = DeviceSpec(
