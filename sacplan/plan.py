@@ -299,7 +299,7 @@ class Plan:
         """Write the plan as versioned JSON at ``path``, atomically (temp file in the same folder + rename).
 
         The file holds ``{"schema": "sacplan.plan-file", "version", "sacplan_version", "torch_version",
-        "created" (UTC ISO 8601), "input_shapes", "plan": Plan.to_dict()}``; see ``docs/plan-schema.md``.
+        "created" (UTC ISO 8601), "plan": Plan.to_dict()}``; see ``docs/plan-schema.md``.
         Returns the path written.
         """
         import datetime
@@ -319,7 +319,6 @@ class Plan:
             "sacplan_version": sacplan.__version__,
             "torch_version": torch.__version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "input_shapes": _jsonable(self.meta.get("input_shapes", [])),
             "plan": self.to_dict(),
         }
         text = json.dumps(doc, indent=2, allow_nan=False)
