@@ -51,8 +51,7 @@ class ModuleDecision:
     """How one module is checkpointed.
 
     Attributes:
-        fqn: module name (root ``""``).
-        checkpoint: always True for a decision in a plan (modules not listed are not checkpointed).
+        fqn: module name (root ``""``); every listed module is checkpointed, modules not listed are not.
         discard_ratio: fraction of the module's discardable activation bytes (``A``, per call) discarded,
             as realised (``discard_bytes / A``; ≥ the MILP's ratio after op-level rounding).
         discard_bytes: bytes discarded per call, as realised.
@@ -66,7 +65,6 @@ class ModuleDecision:
     """
 
     fqn: str
-    checkpoint: bool = True
     discard_ratio: float = 1.0
     discard_bytes: int = 0
     recompute_ms: float = 0.0
@@ -82,7 +80,6 @@ class ModuleDecision:
     def to_dict(self) -> dict[str, Any]:
         return {
             "fqn": self.fqn,
-            "checkpoint": self.checkpoint,
             "discard_ratio": self.discard_ratio,
             "discard_bytes": self.discard_bytes,
             "recompute_ms": self.recompute_ms,
@@ -97,7 +94,6 @@ class ModuleDecision:
             ops = d.get("saved_ops")
             return cls(
                 fqn=str(d["fqn"]),
-                checkpoint=bool(d.get("checkpoint", True)),
                 discard_ratio=float(d["discard_ratio"]),
                 discard_bytes=int(d["discard_bytes"]),
                 recompute_ms=float(d["recompute_ms"]),
@@ -268,7 +264,12 @@ class Plan:
         try:
             mfb = d.get("min_feasible_bytes")
             return cls(
-                decisions=tuple(ModuleDecision.from_dict(x) for x in d["decisions"]),
+                # Older files may say "checkpoint": true on every decision; a hand-written false drops it.
+                decisions=tuple(
+                    ModuleDecision.from_dict(x)
+                    for x in d["decisions"]
+                    if not (isinstance(x, Mapping) and not x.get("checkpoint", True))
+                ),
                 budget_bytes=int(d["budget_bytes"]),
                 predicted_peak_bytes=int(d["predicted_peak_bytes"]),
                 baseline_peak_bytes=int(d["baseline_peak_bytes"]),

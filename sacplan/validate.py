@@ -144,8 +144,6 @@ def plan_choices(plan: Any) -> dict[str, Choice]:
 
     out: dict[str, Choice] = {}
     for d in plan.decisions:
-        if not getattr(d, "checkpoint", True):
-            continue
         out[d.fqn] = None if d.saved_ops is None else saved_op_keys(d.saved_ops)
     return out
 

@@ -57,6 +57,10 @@ def test_older_file_with_input_shapes_and_checkpoint_keys_loads(plan, tmp_path):
     for d in doc["plan"]["decisions"]:
         d["checkpoint"] = True
     assert load_plan(_write(tmp_path, doc, "old.json")) == plan
+    assert plan.decisions
+    doc["plan"]["decisions"][0]["checkpoint"] = False  # hand-written: that module is not checkpointed
+    back = load_plan(_write(tmp_path, doc, "off.json"))
+    assert back.checkpointed == plan.checkpointed[1:]
 
 
 def test_missing_file(tmp_path):
