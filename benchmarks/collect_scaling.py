@@ -11,7 +11,7 @@ AdamW foreach) at several depths. For each depth, in its own subprocess (so each
     runtime, no SAC statistics) and exact host sizes (CPU: no 512-byte rounding).
 
 Seconds are wall time from building the model on meta to having the result; module imports are excluded
-for both (the one-off import time of torch._dynamo + pwlf that a fresh process's first collect() pays is
+for both (the one-off import time of torch._dynamo that a fresh process's first collect() pays is
 printed under the table).
 Peak GiB: sacplan's predicted whole-step peak on the H100 vs MemTracker's peak "Total". They differ where
 the backward is the peak (few layers): MemTracker tracks a single first step, whose forward/backward runs
@@ -29,7 +29,8 @@ import subprocess
 import sys
 import time
 
-GiB = 2**30
+from sacplan.units import GiB
+
 SEQ, BATCH = 4096, 1
 
 
@@ -54,10 +55,9 @@ def run_sacplan(n_layers: int) -> dict:
 
     vocab = LLAMA_PRESETS["llama-7b"].vocab_size
     factory = _factory(n_layers)
-    # One-off import costs of a fresh process, paid on the first collect() only: FakeTensorMode imports
-    # torch._dynamo, the trade-off fit imports pwlf (scipy). MemTracker's module imports the former too.
+    # One-off import cost of a fresh process, paid on the first collect() only: FakeTensorMode imports
+    # torch._dynamo. MemTracker's module imports it too.
     t_imp = time.perf_counter()
-    import pwlf  # noqa: F401
     import torch._dynamo  # noqa: F401
 
     import_s = time.perf_counter() - t_imp
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(time/layers: {', '.join(f'{l}: {t / l:.3f}' for l, t in timed)})")
     imports = [r["sacplan"]["import_s"] for r in rows if r["sacplan"]]
     if imports:
-        print(f"(not in the times above: one-off imports of torch._dynamo and pwlf in a fresh process, "
+        print(f"(not in the times above: one-off import of torch._dynamo in a fresh process, "
               f"{min(imports):.1f}-{max(imports):.1f} s, paid by the first collect() only)")
     if args.json:
         with open(args.json, "w") as fh:

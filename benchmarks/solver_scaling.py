@@ -8,7 +8,7 @@ Usage::
     python benchmarks/solver_scaling.py --issue14             # issue 14's cells (llama-small x48, README sweep, 8B ws8)
                                                               # (Llama-7B shape, planned for 8 FSDP ranks)
 
-Trees: synthetic Llama-7B-shaped models (``tests/solve/synthetic.py:llama_spec``; the per-module bytes and
+Trees: synthetic Llama-7B-shaped models (``sacplan/testing/llama_tree.py:llama_spec``; the per-module bytes and
 milliseconds are derived in its docstring: hidden 4096, seq 4096, batch 1, bf16, flash attention, H100-SXM,
 FSDP over 8 ranks) simulated without checkpointing into the same ``ModelStats`` that ``sacplan.collect``
 produces. For every tree and budget (a fraction of the no-checkpointing peak) the table shows:
@@ -36,16 +36,10 @@ import sys
 import time
 import warnings
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-for p in (_ROOT, os.path.join(_ROOT, "tests", "solve")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from sacplan.errors import InfeasibleBudgetError  # noqa: E402
-from sacplan.solve import baseline_peak, sac_milp, solve  # noqa: E402
-from sacplan.units import GiB  # noqa: E402
-from synthetic import llama_tree  # noqa: E402
+from sacplan.errors import InfeasibleBudgetError
+from sacplan.solve import baseline_peak, sac_milp, solve
+from sacplan.testing.llama_tree import llama_tree
+from sacplan.units import GiB
 
 
 def ref_baseline(graph, world_size: int = 1) -> float:

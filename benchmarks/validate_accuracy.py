@@ -20,9 +20,8 @@ from sacplan.errors import InfeasibleBudgetError
 from sacplan.models import get_model
 from sacplan.solve import solve
 from sacplan.tree import ModuleTree
+from sacplan.units import GiB
 from sacplan.validate import validate
-
-GiB = 2**30
 
 
 def main() -> None:

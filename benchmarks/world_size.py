@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-GiB = 2**30
+from sacplan.units import GiB
 
 
 def main() -> None:

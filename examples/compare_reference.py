@@ -16,8 +16,7 @@ import time
 from sacplan.collect import collect
 from sacplan.solve import baseline_peak, min_feasible_budget, sac_milp
 from sacplan.tree import ModuleTree
-
-GiB = 2**30
+from sacplan.units import GiB
 
 
 def show(name: str, result: tuple, seconds: float) -> None:

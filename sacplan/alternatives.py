@@ -352,7 +352,7 @@ def measure(
     """
     global _FLOP_SINK
     from sacplan.apply import apply_plan
-    from sacplan.validate import _live_bytes, _state_tensors
+    from sacplan.validate import live_bytes, state_tensors
 
     def build() -> nn.Module:
         torch.manual_seed(seed)
@@ -405,16 +405,16 @@ def measure(
             with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
                 step()
             flops = int(fc.get_total_flops())
-        live = _live_bytes(_state_tensors(model, None, args))
+        live = live_bytes(state_tensors(model, None, args))
         t0 = time.perf_counter()
         peak, fw_delta = _profiled(lambda: step(hooks=True), live)
         step_ms = (time.perf_counter() - t0) * 1e3
         tracker_peak = None
         if track and compile_budget is None:
-            from sacplan.validate import _tracker_peak
+            from sacplan.validate import tracker_step_peak
 
-            tracker_peak = int(_tracker_peak(model, args, step, None))
-        state_keys = {_storage_key(t) for t in _state_tensors(model, None, args)}
+            tracker_peak = int(tracker_step_peak(model, args, step, None))
+        state_keys = {_storage_key(t) for t in state_tensors(model, None, args)}
         packed_bytes = sum(v for k, v in packed.items() if k not in state_keys)
     base_key = (model_fn, id(inputs_fn), "compile" if compile_budget is not None else "eager")
     base = _BASELINE_FLOPS.get(base_key)

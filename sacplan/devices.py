@@ -17,10 +17,10 @@ from typing import Any, Mapping
 import torch
 
 from sacplan.errors import ConfigError, UnknownDeviceError
+from sacplan.units import GiB, MiB
 
 TFLOPS = 10**12
 GBPS = 10**9
-GiB = 2**30
 GB = 10**9
 
 
@@ -178,8 +178,6 @@ def checkpoint_state_bytes(spec: DeviceSpec) -> int:
 # * ``hbm_bandwidth`` is the datasheet figure in bytes/s (decimal units, as vendors state them).
 # * ``alloc_round_bytes`` is 512: PyTorch's CUDA caching allocator (and its HIP build) rounds every
 #   block up to a multiple of 512 bytes.
-
-MiB = 2**20
 
 
 def _gpu(

@@ -4,8 +4,8 @@ A :class:`Plan` is what :func:`sacplan.solve.solve` returns and what ``apply``/`
 Every field is JSON-able through :meth:`Plan.to_dict` / :meth:`Plan.from_dict` (sizes in int bytes,
 times in float milliseconds).
 
-Saving and loading plan files (versioned JSON, written atomically) lives in the section at the end of this
-file.
+Plan files (versioned JSON): :meth:`Plan.save` writes them atomically; :func:`load_plan`, in the section at
+the end of this file, reads and validates them.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class ModuleDecision:
     """How one module is checkpointed.
 
     Attributes:
-        fqn: module name (root ``""``).
-        checkpoint: always True for a decision in a plan (modules not listed are not checkpointed).
+        fqn: module name (root ``""``); every listed module is checkpointed, modules not listed are not.
         discard_ratio: fraction of the module's discardable activation bytes (``A``, per call) discarded,
             as realised (``discard_bytes / A``; ≥ the MILP's ratio after op-level rounding).
         discard_bytes: bytes discarded per call, as realised.
@@ -66,7 +65,6 @@ class ModuleDecision:
     """
 
     fqn: str
-    checkpoint: bool = True
     discard_ratio: float = 1.0
     discard_bytes: int = 0
     recompute_ms: float = 0.0
@@ -82,7 +80,6 @@ class ModuleDecision:
     def to_dict(self) -> dict[str, Any]:
         return {
             "fqn": self.fqn,
-            "checkpoint": self.checkpoint,
             "discard_ratio": self.discard_ratio,
             "discard_bytes": self.discard_bytes,
             "recompute_ms": self.recompute_ms,
@@ -97,7 +94,6 @@ class ModuleDecision:
             ops = d.get("saved_ops")
             return cls(
                 fqn=str(d["fqn"]),
-                checkpoint=bool(d.get("checkpoint", True)),
                 discard_ratio=float(d["discard_ratio"]),
                 discard_bytes=int(d["discard_bytes"]),
                 recompute_ms=float(d["recompute_ms"]),
@@ -288,7 +284,12 @@ class Plan:
         try:
             mfb = d.get("min_feasible_bytes")
             return cls(
-                decisions=tuple(ModuleDecision.from_dict(x) for x in d["decisions"]),
+                # Older files may say "checkpoint": true on every decision; a hand-written false drops it.
+                decisions=tuple(
+                    ModuleDecision.from_dict(x)
+                    for x in d["decisions"]
+                    if not (isinstance(x, Mapping) and not x.get("checkpoint", True))
+                ),
                 budget_bytes=int(d["budget_bytes"]),
                 predicted_peak_bytes=int(d["predicted_peak_bytes"]),
                 baseline_peak_bytes=int(d["baseline_peak_bytes"]),
@@ -314,6 +315,62 @@ class Plan:
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"invalid plan dict: {e}") from e
 
+    # -- plan files -----------------------------------------------------------------------------------
+    def save(self, path: Any) -> Any:
+        """Write the plan as versioned JSON at ``path``, atomically (temp file in the same folder + rename).
+
+        The file holds ``{"schema": "sacplan.plan-file", "version", "sacplan_version", "torch_version",
+        "created" (UTC ISO 8601), "plan": Plan.to_dict()}``; see ``docs/plan-schema.md``.
+        Returns the path written.
+        """
+        import datetime
+        import json
+        import os
+        import tempfile
+        from pathlib import Path
+
+        import torch
+
+        import sacplan
+
+        p = Path(path)
+        doc = {
+            "schema": "sacplan.plan-file",
+            "version": PLAN_FILE_VERSION,
+            "sacplan_version": sacplan.__version__,
+            "torch_version": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "plan": self.to_dict(),
+        }
+        text = json.dumps(doc, indent=2, allow_nan=False)
+        if p.is_dir():
+            raise ConfigError(f"cannot write plan file {str(p)!r}: it is a directory; give a file name such as plan.json")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+        except OSError as e:  # read-only folder, a regular file in the path, ...
+            raise ConfigError(
+                f"cannot write plan file {str(p)!r}: {e.strerror or e} (folder {str(p.parent)!r}); choose a writable folder"
+            ) from None
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            os.fchmod(fd, 0o666 & ~umask)  # as open() would (mkstemp makes 0600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):  # disk full, destination not replaceable...
+                raise ConfigError(f"cannot write plan file {str(p)!r}: {e.strerror or e}") from None
+            raise
+        return p
+
 
 def _jsonable(x: Any) -> Any:
     """Mappings/sequences/floats made JSON-safe (tuples become lists, inf/nan strings)."""
@@ -332,7 +389,7 @@ def _jsonable(x: Any) -> Any:
 
 
 # =========================================================================================================
-# Saving and loading plan files (Plan.save / load_plan): added separately; keep this section last.
+# Loading plan files (load_plan); Plan.save writes them.
 # =========================================================================================================
 
 #: Version of the plan *file* envelope written by :meth:`Plan.save`.
@@ -342,66 +399,6 @@ _REQUIRED = (
     "status", "objective_ms", "bound_ms", "gap", "solver", "build_s", "solve_s", "world_size", "device_name",
     "model_name", "fingerprint",
 )
-
-
-def _save(self: Plan, path: Any) -> Any:
-    """Write the plan as versioned JSON at ``path``, atomically (temp file in the same folder + rename).
-
-    The file holds ``{"schema": "sacplan.plan-file", "version", "sacplan_version", "torch_version",
-    "created" (UTC ISO 8601), "input_shapes", "plan": Plan.to_dict()}``; see ``docs/plan-schema.md``.
-    Returns the path written.
-    """
-    import datetime
-    import json
-    import os
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    import sacplan
-
-    p = Path(path)
-    doc = {
-        "schema": "sacplan.plan-file",
-        "version": PLAN_FILE_VERSION,
-        "sacplan_version": sacplan.__version__,
-        "torch_version": torch.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "input_shapes": _jsonable(self.meta.get("input_shapes", [])),
-        "plan": self.to_dict(),
-    }
-    text = json.dumps(doc, indent=2, allow_nan=False)
-    if p.is_dir():
-        raise ConfigError(f"cannot write plan file {str(p)!r}: it is a directory; give a file name such as plan.json")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
-    except OSError as e:  # read-only folder, a regular file in the path, ...
-        raise ConfigError(
-            f"cannot write plan file {str(p)!r}: {e.strerror or e} (folder {str(p.parent)!r}); choose a writable folder"
-        ) from None
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would (mkstemp makes 0600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):  # disk full, destination not replaceable...
-            raise ConfigError(f"cannot write plan file {str(p)!r}: {e.strerror or e}") from None
-        raise
-    return p
-
-
-Plan.save = _save  # type: ignore[attr-defined]
 
 
 def _refuse_constant(name: str) -> Any:

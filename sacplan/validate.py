@@ -40,7 +40,16 @@ from sacplan.evaluate import Choice, predict
 from sacplan.tree import ModuleTree
 from sacplan.units import fmt_bytes
 
-__all__ = ["Measurement", "ValidationReport", "validate", "plan_choices", "measure_step"]
+__all__ = [
+    "Measurement",
+    "ValidationReport",
+    "validate",
+    "plan_choices",
+    "measure_step",
+    "live_bytes",
+    "state_tensors",
+    "tracker_step_peak",
+]
 
 
 @dataclass(frozen=True)
@@ -135,14 +144,13 @@ def plan_choices(plan: Any) -> dict[str, Choice]:
 
     out: dict[str, Choice] = {}
     for d in plan.decisions:
-        if not getattr(d, "checkpoint", True):
-            continue
         out[d.fqn] = None if d.saved_ops is None else saved_op_keys(d.saved_ops)
     return out
 
 
 # ------------------------------------------------------------------------------------------ measuring
-def _live_bytes(objs: Iterable[Any]) -> int:
+def live_bytes(objs: Iterable[Any]) -> int:
+    """Bytes of the distinct non-empty storages behind the tensors in ``objs`` (non-tensors are skipped)."""
     seen: set[int] = set()
     total = 0
     for t in objs:
@@ -154,7 +162,8 @@ def _live_bytes(objs: Iterable[Any]) -> int:
     return total
 
 
-def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> list[torch.Tensor]:
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> list[torch.Tensor]:
+    """The tensors live across a step: parameters, buffers, gradients, optimizer state and the inputs."""
     ts: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
     ts += [p.grad for p in model.parameters() if p.grad is not None]
     if opt is not None:
@@ -188,18 +197,22 @@ def measure_step(
         end.record()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated()), None, float(start.elapsed_time(end))
-    live = _live_bytes(_state_tensors(model, opt, args))
+    live = live_bytes(state_tensors(model, opt, args))
     t0 = time.perf_counter()
     peak = _cpu_profiled_peak(step, live)
     ms = (time.perf_counter() - t0) * 1e3
     tracker = None
     if track:
-        tracker = _tracker_peak(model, args, step, opt)
+        tracker = tracker_step_peak(model, args, step, opt)
     return peak, tracker, ms
 
 
-def _tracker_peak(model: nn.Module, args: Inputs, step: Callable[[], None], opt: torch.optim.Optimizer | None) -> int:
-    """sacplan's own tracker on the real tensors, as an independent cross-check of the profiler."""
+def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], opt: torch.optim.Optimizer | None) -> int:
+    """Peak bytes of one call of ``step`` by sacplan's own tracker on the real (CPU) tensors.
+
+    An independent cross-check of the profiler's peak: the state (parameters, buffers, gradients,
+    optimizer state, inputs) is registered first, so the peak includes it.
+    """
     from sacplan.collect.runtime import RuntimeModel
     from sacplan.collect.tracker import BUFFER, GRAD, INPUT, OPT, PARAM, StepRecorder
 

@@ -1,4 +1,4 @@
-"""Trade-off curves: greedy vertices, convexity, max-of-lines upper bounds, the pwlf path, op groups."""
+"""Trade-off curves: greedy vertices, convexity, max-of-lines upper bounds, simplification to few lines, op groups."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_round_trip_through_json():
     assert TradeOff.from_dict(d) == t
 
 
-# ----------------------------------------------------------------------------------- pwlf path
+# ------------------------------------------------------------------- simplification to few lines (chords)
 def many_ops(n: int, seed: int = 0) -> list[OpStat]:
     import random
 
@@ -148,7 +148,7 @@ def many_ops(n: int, seed: int = 0) -> list[OpStat]:
 
 
 @pytest.mark.parametrize("n, max_lines", [(40, 8), (100, 4), (25, 1)])
-def test_pwlf_keeps_few_lines_and_still_bounds(n, max_lines):
+def test_simplified_curve_keeps_few_lines_and_still_bounds(n, max_lines):
     ops = many_ops(n, seed=n)
     act = sum(o.out_bytes for o in ops)
     t = build_tradeoff(ops, act, len(ops), max_lines=max_lines)
@@ -188,7 +188,7 @@ def test_llama_tiny_modules(llama_tiny):
         assert 0 < t.max_discard_bytes <= m.act_bytes[0]
         assert t.full_recompute_ms <= m.fw_ms[0] + TOL
         assert t.full_recompute_flops <= m.fw_flops[0]
-    # a block has more greedy vertices than lines allowed: the pwlf path ran
+    # a block has more greedy vertices than lines allowed: the chord simplification ran
     assert len(curves["layers.0"].points) - 1 > DEFAULT_MAX_LINES
 
 

@@ -152,10 +152,6 @@ class SolveResult:
     raw_status: str = ""
     log: str = ""
 
-    @property
-    def has_solution(self) -> bool:
-        return self.x is not None
-
 
 def relative_gap(objective: float, bound: float) -> float:
     """``|objective - bound| / max(|objective|, 1e-10)``, 0 when both are 0 (the convention of CBC/HiGHS)."""
@@ -765,15 +761,3 @@ def prove_by_lp_branching(
         f"optimal (incumbent meets the LP bounds of {nodes} count node(s))",
     )
 
-
-def describe(result: SolveResult) -> Mapping[str, Any]:
-    """A JSON-able summary of a :class:`SolveResult` (no solution vector)."""
-    return {
-        "status": result.status,
-        "raw_status": result.raw_status,
-        "objective": result.objective,
-        "bound": result.bound,
-        "gap": result.gap,
-        "solve_s": result.solve_s,
-        "solver": result.solver,
-    }

@@ -1,8 +1,8 @@
 """How good can any plan be? The best plan over *every* plan, and a lower bound, at one budget.
 
-``solve`` picks among at most ``max_options`` save lists per module and, by default, among non-leaf, non-root
-modules. :func:`certify` widens both: every module with discardable activations (leaves and the root
-included, :func:`every_unit`) and each one's whole Pareto front of save lists (``max_options=None``). When
+``solve`` picks among at most ``max_options`` save lists per module and, by default, among every module with
+discardable activations except the root (leaves included). :func:`certify` widens both: the root too
+(:func:`every_unit`) and each module's whole Pareto front of save lists (``max_options=None``). When
 no front had to be thinned and the solver proves optimality, its objective is the least recompute time any
 plan can have under sacplan's memory model — the yardstick for a target such as "a third of full
 checkpointing" — and the fractional bound (:func:`~sacplan.solve.milp.recompute_lower_bound`) over the same

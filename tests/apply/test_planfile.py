@@ -49,6 +49,20 @@ def _write(tmp_path, doc, name="bad.json"):
     return p
 
 
+def test_older_file_with_input_shapes_and_checkpoint_keys_loads(plan, tmp_path):
+    """Files written before the envelope dropped ``input_shapes`` (always ``[]``) still load."""
+    doc = json.loads(plan.save(tmp_path / "p.json").read_text())
+    assert "input_shapes" not in doc
+    doc["input_shapes"] = []
+    for d in doc["plan"]["decisions"]:
+        d["checkpoint"] = True
+    assert load_plan(_write(tmp_path, doc, "old.json")) == plan
+    assert plan.decisions
+    doc["plan"]["decisions"][0]["checkpoint"] = False  # hand-written: that module is not checkpointed
+    back = load_plan(_write(tmp_path, doc, "off.json"))
+    assert back.checkpointed == plan.checkpointed[1:]
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path / "nope.json")

@@ -11,7 +11,7 @@ batch. Ranks rendezvous on a FileStore in the test's ``tmp_path`` (no TCP port r
 * the plan is in force: the step's FLOPs exceed the unplanned model's by exactly the plan's
   ``recompute_flops``;
 * the per-rank peak of a later step (optimizer state exists, as in ``collect``), measured by sacplan's
-  :class:`~sacplan.collect.tracker.StepRecorder` on the real tensors (as ``sacplan.validate._tracker_peak``),
+  :class:`~sacplan.collect.tracker.StepRecorder` on the real tensors (as ``sacplan.validate.tracker_step_peak``),
   is within 5% of the prediction, and so are the CPU allocator events of ``torch.profiler`` (with 4 ranks,
   up to the frees it provably cannot see: see the bound in the test and ``_mp.traced_cpu_memory``).
 
@@ -75,7 +75,7 @@ def _measure(rank: int, ws: int, mode: str, order: str, plan_dict: dict, tmp: st
     from sacplan.devices import CPU
     from sacplan.models import get_model
     from sacplan.plan import Plan
-    from sacplan.validate import _live_bytes
+    from sacplan.validate import live_bytes
 
     plan = Plan.from_dict(plan_dict)
     t_start = time.perf_counter()
@@ -141,7 +141,7 @@ def _measure(rank: int, ws: int, mode: str, order: str, plan_dict: dict, tmp: st
     # collectives), keeping each rank's cleanest.
     import torch.distributed as dist
 
-    live = _live_bytes(state + [toks])
+    live = live_bytes(state + [toks])
     readings = []
     for _ in range(4):
         readings.append(_mp.traced_cpu_memory(step, Path(tmp)))

@@ -1,4 +1,4 @@
-"""Make ``synthetic`` (this folder) and the repository root importable for the solver tests."""
+"""Make this folder (tests import shared checks from each other) and the repository root importable."""
 
 import os
 import sys

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solve import certify, every_unit, solve
-from synthetic import MiB, build_tree
+from sacplan.testing.synthetic import MiB, build_tree
 from test_exact import _brute, _pareto, _random_spec, _subsets
 from test_properties import oracle
 

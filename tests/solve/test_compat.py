@@ -11,7 +11,8 @@ torch_tools = pytest.importorskip("torch.distributed._tools.sac_ilp")
 from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info  # noqa: E402
 
 from sacplan.solve import baseline_peak, sac_milp  # noqa: E402
-from synthetic import GiB, build_tree, llama_tree, random_spec  # noqa: E402
+from sacplan.testing.llama_tree import llama_tree  # noqa: E402
+from sacplan.testing.synthetic import GiB, build_tree, random_spec  # noqa: E402
 
 # the reference uses deprecated PuLP APIs (PULP_CBC_CMD, LpVariable.matrix); that is its business, not ours
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solve import recompute_lower_bound, solve
 from sacplan.solve.ops import fractional_lines, module_options
-from synthetic import MiB, Spec, _ops, build_tree
+from sacplan.testing.synthetic import MiB, Spec, build_tree, ops_from_rows
 from test_properties import antichains, oracle
 
 # name, bytes, ms, flops[, kind]: three saved outputs with distinct ms per byte, a view, and a transient
@@ -61,7 +61,7 @@ def _pareto(points):
 
 
 def test_module_options_are_the_knapsack_pareto_front():
-    ops = _ops(ROWS)
+    ops = ops_from_rows(ROWS)
     A = 64 * MiB + 64 * MiB + 32 * MiB  # what autograd saves: mm, silu, mul
     R = sum(o.runtime_ms for o in ops)  # 6 ms
     front = _pareto(_subsets(ops, A, R))
@@ -87,7 +87,7 @@ def test_module_options_are_the_knapsack_pareto_front():
                      min_size=1, max_size=9))
 def test_pareto_front_equals_brute_force(rows):
     """The DP front is every subset's Pareto front (random op lists, views and transients included)."""
-    ops = _ops([("aten.mm.default", b * 8 * MiB, round(ms, 3), 0) + ((kind,) if kind else ()) for b, ms, kind in rows])
+    ops = ops_from_rows([("aten.mm.default", b * 8 * MiB, round(ms, 3), 0) + ((kind,) if kind else ()) for b, ms, kind in rows])
     A = sum(o.save_cost_bytes for o in ops if not o.is_view)
     R = sum(o.runtime_ms for o in ops)
     assume(A > 0 and R > 0)
@@ -99,7 +99,7 @@ def test_pareto_front_equals_brute_force(rows):
 
 
 def test_fractional_lines_lie_below_every_subset():
-    ops = _ops(ROWS)
+    ops = ops_from_rows(ROWS)
     A, R = 160 * MiB, 6.0
     sl, ic = fractional_lines(ops, A, R)
     for r, q in _subsets(ops, A, R):
@@ -120,7 +120,7 @@ def _random_spec(rng: random.Random) -> Spec:
                          rng.randint(1, 8) * 16 * MiB, round(rng.uniform(0.05, 3.0), 3), 0))
         if rng.random() < 0.5:
             rows.insert(1, ("aten.view.default", 0, 0.0, 0, "view"))
-        ops = _ops(rows)
+        ops = ops_from_rows(rows)
         act = sum(o.save_cost_bytes for o in ops)
         sp = Spec(f"c{k}", act=act, fw_ms=sum(o.runtime_ms for o in ops), ops=ops,
                   tmp=rng.randint(0, 4) * 16 * MiB, params=rng.randint(0, 2) * 32 * MiB,
@@ -221,7 +221,7 @@ def test_incumbent_of_repeated_blocks_is_near_optimal(frac):
     """32 identical Llama blocks: rounding the LP's per-level counts onto the earliest blocks, then the local
     descent, start the search within 0.5% of the optimum (plain rounding of each block's levels was 27% off
     at 128 blocks, which left CBC searching for 128 s)."""
-    from synthetic import llama_spec
+    from sacplan.testing.llama_tree import llama_spec
 
     from sacplan.solve.milp import baseline_peak
 

@@ -22,7 +22,7 @@ from sacplan.solve import limits
 from sacplan.solve.backends import MilpModel, solve_model
 from sacplan.solve.ops import thin_front
 from sacplan.sweep import sweep
-from synthetic import llama_tree
+from sacplan.testing.llama_tree import llama_tree
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -13,13 +13,14 @@ from sacplan.solve import baseline_peak, min_feasible_budget, solve
 from sacplan.solve import milp as milp_mod
 from sacplan.solve.backends import TIME_LIMIT, SolveResult
 from sacplan.solve.milp import SacProblem, TimeLimitWarning, envelope
-from synthetic import GiB, MiB, Spec, build_tree, hand_tree, llama_tree
+from sacplan.testing.llama_tree import llama_tree
+from sacplan.testing.synthetic import GiB, MiB, Spec, build_tree, hand_tree
 
 UNITS = ["b0", "b1"]
 
 
 # --------------------------------------------------------------------------------------------------------
-# The worked example (tests/solve/synthetic.py:hand_tree)
+# The worked example (sacplan/testing/synthetic.py:hand_tree)
 #
 #   b0, b1: A = 4 GiB, R = 10 ms, q = 0.2·y + 0.8·r   (so cost_i = 10·(0.2·y_i + 0.8·r_i) ms)
 #   fw_post_order = (b0, b1, ""), bw_pre_order = ("", b1, b0)

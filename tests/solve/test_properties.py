@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solve import milp as milp_mod
 from sacplan.solve import solve
-from synthetic import build_tree, random_spec
+from sacplan.testing.synthetic import build_tree, random_spec
 
 GRID = 20
 
