@@ -506,7 +506,7 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
                 "changed only something the plan does not depend on."
             )
     mods = _modules_by_canonical_name(model)
-    chosen = [d for d in plan.decisions if getattr(d, "checkpoint", True)]
+    chosen = list(plan.decisions)
     missing = [d.fqn for d in chosen if d.fqn not in mods]
     if missing:
         import difflib

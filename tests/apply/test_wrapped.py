@@ -97,7 +97,7 @@ def test_user_modules_named_like_wrappers_keep_their_names(tmp_path):
     assert names == {n: n for n in names} and "blocks.0.module" in names and "enc_module.0" in names
     x = torch.randn(4, 16)
     stats = collect(UserNames, (x,), device=CPU, loss_fn=lambda out, args: out.square().mean())
-    base = solve(ModuleTree(stats), stats.peak_bytes * 2)  # no checkpointing needed: decisions set below
+    base = solve(ModuleTree(stats), f"{stats.peak_bytes * 2}B")  # no checkpointing needed: decisions set below
     plan = dataclasses.replace(
         base, decisions=(ModuleDecision("blocks.0.module"), ModuleDecision("blocks.1"), ModuleDecision("enc_module.0"))
     )
