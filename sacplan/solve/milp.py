@@ -1565,8 +1565,6 @@ def _realise(
                 )
             except InfeasibleBudgetError:
                 ratio = 1.0
-        if sel is not None and not sel.saved:
-            sel, ratio = None, 1.0  # nothing saved: a plain full checkpoint
         if sel is None and ratio >= 1.0 - 1e-12:
             r_real[s] = 1.0
             decisions.append(

@@ -363,11 +363,15 @@ def module_options(
     A = int(max_discard_bytes)
     R = float(full_recompute_ms)
     stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
-    pts: list[tuple[float, float, OpSelection | None]] = [(1.0, 1.0, None)]
     complete = True
     sels: list[OpSelection] = []
+    saved_groups, free, _ = _split(ops, False, stop)
+    # The plain full checkpoint saves only what is forced (in-place writes to outside tensors) and recomputes
+    # every other op before the stop, free ones included (as apply_plan does): its cost may exceed R.
+    forced = {p for g in saved_groups if g.fixed == 1 for p in g.members}
+    q_full = _result(ops, forced, stop, False).recompute_ms / R if R > 0 else 1.0
+    pts: list[tuple[float, float, OpSelection | None]] = [(1.0, max(1.0, q_full), None)]
     if A > 0 and R > 0:
-        saved_groups, free, _ = _split(ops, False, stop)
         if len(free) <= DP_MAX_GROUPS or not ratios:
             front, complete = _front(free, FRONT_CAP)
             always = {p for g in saved_groups for p in g.members}
