@@ -232,9 +232,6 @@ XFAIL: dict[tuple[str, str | None, str], str] = {
     ("timm-vit", "near-peak", "peak"): (
         "new, collect-side: checkpointing Dropout modules alone (mlp.drop2, attn.proj_drop) keeps their inputs "
         "alive (non-reentrant checkpoint saves region inputs) though nothing else saves them: +2.71%"),
-    ("hf-bert", None, "flops"): (
-        "collect-side: a full checkpoint of attention.self treats the SDPA forward as saved "
-        "(issue 13: 50.3 M predicted vs 117.4 M recomputed FLOPs)"),
     ("hf-gpt2", None, "peak"): (
         "collect-side: +6.27% near-min, +1.38% midway, +3.93% near-peak (4 Dropout modules checkpointed alone, "
         "0 FLOPs recomputed): the region-input retention (checkpoint keeps inputs nothing else saves)"),
