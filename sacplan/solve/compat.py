@@ -41,7 +41,7 @@ def _budget_bytes(memory_budget: float | int | str) -> int:
     """PyTorch's ``memory_budget`` is GiB (any number); strings go through :func:`parse_budget`."""
     if isinstance(memory_budget, str):
         return parse_budget(memory_budget)
-    return int(round(float(memory_budget) * GiB))
+    return int(math.floor(float(memory_budget) * GiB))  # whole bytes, never above the budget given
 
 
 def sac_milp(
@@ -288,7 +288,7 @@ def _graph_milp(
     F = np.concatenate([[0.0], np.cumsum(dpos)])
     m = base - F[pos]
     peak = int(math.ceil(float(np.max(m)) * _GIB - 1e-6))
-    budget_bytes = int(math.floor(budget_gib * _GIB + 1e-6))
+    budget_bytes = int(math.floor(budget_gib * _GIB))  # whole bytes, never above the budget given
     if peak > budget_bytes and _retry:
         # within the solver's feasibility tolerance above the budget: solve again just below it
         return _graph_milp(graph, budget_gib - (peak - budget_bytes + 1024) / _GIB, world_size, ac_units,

@@ -78,12 +78,13 @@ def test_module_tree_path():
     assert sac_milp(tree, base * 1.01 / GiB, world_size=8)[0] == {}
 
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), frac=st.floats(0.3, 1.0))
+@example(seed=0, frac=0.9999999999999999)  # half a byte below the no-AC peak: it was returned as fitting
 def test_graph_plan_never_exceeds_budget(seed, frac):
     """Ratios are rounded to 4 digits upwards (more discarded), so the returned peak is <= the budget."""
     info = build_tree(random_spec(random.Random(seed), max_modules=8)).to_torch_module_info()
