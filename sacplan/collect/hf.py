@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten_with_path
@@ -81,25 +81,20 @@ def transformers_real_paths(real_inputs: Any) -> Iterator[None]:
 
         patches["find_packed_sequence_indices"] = find_packed_sequence_indices
 
-    orig_causal = getattr(mu, "_ignore_causal_mask_sdpa", None)
-    if orig_causal is not None:
+    def dense_mask_reader(orig: Callable[..., bool]) -> Callable[..., bool]:
+        """``orig`` with a fake padding mask read as dense (None) unless a real mask input holds a zero."""
 
-        def _ignore_causal_mask_sdpa(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
+        def check(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
             if padding_mask is not None and _is_fake(padding_mask) and not sparse_mask:
                 padding_mask = None
-            return orig_causal(padding_mask, *args, **kwargs)
+            return orig(padding_mask, *args, **kwargs)
 
-        patches["_ignore_causal_mask_sdpa"] = _ignore_causal_mask_sdpa
+        return check
 
-    orig_bidir = getattr(mu, "_ignore_bidirectional_mask_sdpa", None)
-    if orig_bidir is not None:
-
-        def _ignore_bidirectional_mask_sdpa(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-            if padding_mask is not None and _is_fake(padding_mask) and not sparse_mask:
-                padding_mask = None
-            return orig_bidir(padding_mask, *args, **kwargs)
-
-        patches["_ignore_bidirectional_mask_sdpa"] = _ignore_bidirectional_mask_sdpa
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+        orig = getattr(mu, name, None)
+        if orig is not None:
+            patches[name] = dense_mask_reader(orig)
 
     saved = {name: getattr(mu, name) for name in patches}
     try:
