@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from sacplan.collect.hf import training_cache_configs
 from sacplan.errors import ConfigError, PlanMismatchError, UnsupportedModelError
 from sacplan.fingerprint import canonical_names, model_fingerprint
 from sacplan.plan import Plan
@@ -301,22 +302,18 @@ def _check_kv_cache(model: nn.Module) -> list[Any]:
                     "saves and is not replayed by recomputation. Turn the cache off for training with "
                     "checkpointing (e.g. model.disable_kv_cache() or config.use_cache=False), then apply the plan."
                 )
-    changed: dict[int, tuple[str, Any]] = {}
-    for name, mod in model.named_modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and mod.training and getattr(cfg, "use_cache", False) is True and id(cfg) not in changed:
-            changed[id(cfg)] = (name or "<root>", cfg)
+    changed = training_cache_configs(model)
     if changed:
         warnings.warn(
             "sacplan: checkpointing a model in training mode turns its key/value cache off "
-            f"(config.use_cache=False on {sorted(n for n, _ in changed.values())}), as Hugging Face's "
+            f"(config.use_cache=False on {sorted(n for n, _ in changed)}), as Hugging Face's "
             "gradient_checkpointing_enable does; remove_plan turns it back on.",
             UserWarning,
             stacklevel=3,
         )
-        for _, cfg in changed.values():
+        for _, cfg in changed:
             cfg.use_cache = False
-    return [cfg for _, cfg in changed.values()]
+    return [cfg for _, cfg in changed]
 
 
 def _refuse_cache_kwargs(module: nn.Module, kwargs: Mapping[str, Any]) -> None:

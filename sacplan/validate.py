@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sacplan.apply import apply_plan, remove_plan
 from sacplan.collect import collect, default_loss, default_optimizer
 from sacplan.collect.calling import Inputs, as_inputs, as_loss, call_model
+from sacplan.collect.hf import training_without_cache
 from sacplan.collect.runtime import flop_mapping
 from sacplan.collect.workspace import profiled_cpu_peak
 from sacplan.devices import CPU, DeviceSpec
@@ -324,7 +325,12 @@ def validate(
         model = build().to(dev)
         model.train()
         if with_plan:
-            apply_plan(model, plan)
+            apply_plan(model, plan)  # turns a Hugging Face training cache off
+            return steps(model, True)
+        with training_without_cache(model):  # as collect records the step and the planned step runs
+            return steps(model, False)
+
+    def steps(model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
         args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, raw_inputs)
         opt = opt_factory([p for p in model.parameters() if p.requires_grad]) if opt_factory else None
         # Step 1: gradients to compare, and optimizer state.

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from sacplan.collect.attention import FusedAttentionMode
 from sacplan.collect.calling import as_inputs, as_loss, call_model
-from sacplan.collect.hf import transformers_real_paths
+from sacplan.collect.hf import training_without_cache, transformers_real_paths
 from sacplan.collect.kernels import host_state_tensors
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
@@ -176,7 +176,7 @@ def collect(
     try:
         # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
         # so the fake step runs the kernels the real one runs (restored on exit).
-        with transformers_real_paths(real_inputs), fake_mode, attention, recorder:
+        with training_without_cache(fmodel), transformers_real_paths(real_inputs), fake_mode, attention, recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)

