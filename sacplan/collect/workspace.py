@@ -5,13 +5,18 @@ allocator for the duration of the call, which raise the peak (``torch.profiler``
 ``torch.cuda.max_memory_allocated`` see them). :func:`workspace_bytes` gives them per op and target; the
 recorder adds them to the current segment's peak as transient ``temp`` bytes.
 
-* Host CPU target (``DeviceSpec.name == "CPU"``, used to validate on this host): oneDNN convolutions
-  reorder inputs, weights and outputs into blocked layouts, and how much depends on the shapes. The
-  workspace is *measured*: the op runs once on random tensors of the same shapes under ``torch.profiler``
-  (allocator events), and the peak above its outputs is cached per op signature — the same way benchmark
-  mode times ops on the device it plans for.
-* CUDA targets: cuDNN picks an algorithm whose workspace fits the free memory, so it does not bind the peak;
-  cuBLAS keeps one persistent workspace per stream (a constant, not per op). Both count 0.
+* Host CPU target (``DeviceSpec.name == "CPU"``, used to validate on this host): the workspace of the ops in
+  :data:`WORKSPACE_OPS` is *measured*: the op runs once on random tensors of the same shapes and strides
+  under ``torch.profiler`` (allocator events), and the peak above its outputs is cached per op signature —
+  the same way benchmark mode times ops on the device it plans for. oneDNN convolutions reorder inputs,
+  weights and outputs into blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32);
+  ``_safe_softmax`` (the math attention path) builds boolean masks; fused RMS norm keeps an input-sized
+  temporary. Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
+* CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
+  ``expect_contiguous()`` copies of a non-contiguous input / output gradient; ``_safe_softmax`` is composite
+  (``softmax``, then ``eq(-inf)`` → a bool tensor of the input's size and ``all(dim)`` → one bool per row,
+  both live while it runs). cuDNN picks a convolution algorithm whose workspace fits the free memory, so it
+  does not bind the peak; cuBLAS keeps one persistent workspace per stream (a constant, not per op). Both 0.
 """
 
 from __future__ import annotations
@@ -26,21 +31,48 @@ from sacplan.devices import DeviceSpec
 
 aten = torch.ops.aten
 
-WORKSPACE_OPS = frozenset(
+_CONV_OPS = frozenset(
     {aten.convolution.default, aten._convolution.default, aten.mkldnn_convolution.default, aten.convolution_backward.default}
 )
+#: layer norm forward / backward: the tensor arguments the kernel makes contiguous (input; output gradient, input)
+_LAYER_NORM_ARGS = {aten.native_layer_norm.default: (0,), aten.native_layer_norm_backward.default: (0, 1)}
+WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | frozenset(
+    {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default}
+)
+#: CPU workspaces are measured on real tensors only up to this many argument bytes (then the CUDA rules apply)
+MEASURE_CAP_BYTES = 256 * 2**20
 _CACHE: dict[Any, int] = {}
 
 
 def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Transient bytes ``func`` allocates beyond its outputs on ``spec`` (0 when not modelled)."""
-    if spec.name != "CPU" or func not in WORKSPACE_OPS:
+    if func not in WORKSPACE_OPS:
         return 0
     flat, tspec = tree_flatten((args, kwargs))
-    key = (func, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat))
-    if key not in _CACHE:
-        _CACHE[key] = _measure_cpu(func, flat, tspec)
-    return _CACHE[key]
+    if spec.name == "CPU":
+        size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+        if size <= MEASURE_CAP_BYTES:
+            key = (func, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat))
+            if key not in _CACHE:
+                _CACHE[key] = _measure_cpu(func, flat, tspec)
+            return _CACHE[key]
+    return kernel_scratch_bytes(spec, func, args)
+
+
+def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
+    """Scratch bytes a CUDA kernel of ``func`` allocates from the caching allocator while it runs (see module doc)."""
+    if func in _LAYER_NORM_ARGS:
+        return sum(
+            spec.round_alloc(t.numel() * t.element_size())
+            for t in (args[i] for i in _LAYER_NORM_ARGS[func] if i < len(args))
+            if isinstance(t, torch.Tensor) and not t.is_contiguous()
+        )
+    if func is aten._safe_softmax.default and args and isinstance(args[0], torch.Tensor):
+        x = args[0]
+        dim = int(args[1]) % max(1, x.dim()) if len(args) > 1 else x.dim() - 1
+        rows = x.numel() // max(1, x.shape[dim]) if x.dim() else 1
+        return spec.round_alloc(x.numel()) + spec.round_alloc(rows)
+    return 0
 
 
 @contextlib.contextmanager
