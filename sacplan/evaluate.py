@@ -13,8 +13,9 @@ removed ``(1 - 1/world_size)`` when FSDP shards them), and per-call discards ``d
 * rc (backward start of call ``j``): the backward value plus ``extra_e`` if ``j`` is checkpointed
 * other:     ``peak_e - S_e``
 
-where each checkpointed call's discard is its saved-tensor bytes freed minus
-:func:`~sacplan.devices.checkpoint_state_bytes` (the RNG state checkpoint stashes; host-CPU targets only), and
+where each checkpointed call's discard is its saved-tensor bytes freed minus what checkpointing keeps:
+:func:`~sacplan.devices.checkpoint_state_bytes` (the RNG state checkpoint stashes; host-CPU targets only) and
+the call's :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs nothing saves, held for recompute), and
 ``F`` / ``B`` are running sums of ``d`` along ``fw_post_order`` / ``bw_pre_order`` and ``D`` their total.
 """
 
@@ -115,7 +116,9 @@ def event_peaks(
     """Predicted bytes at every event of ``tree.stats.events`` for per-call ``discards`` (fqn → bytes per call).
 
     Every module in ``discards`` is checkpointed: each of its calls also keeps
-    :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU).
+    :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU)
+    and its :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs the checkpoint holds), from its forward
+    to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`).
     """
     st = tree.stats
     ck = checkpoint_state_bytes(st.device)  # kept per checkpointed call besides saved tensors (CPU target)
@@ -129,23 +132,33 @@ def event_peaks(
             c = seen.get(fqn, 0)
             seen[fqn] = c + 1
             d = discards.get(fqn)
-            sums.append(sums[-1] + (d[c] - ck if d is not None and c < len(d) else 0))
+            sums.append(sums[-1] + (d[c] - overhead(fqn, c) if d is not None and c < len(d) else 0))
         return sums
+
+    def overhead(fqn: str, call: int) -> int:
+        held = tree.node(fqn).stats.held_input_bytes
+        return ck + (held[call] if call < len(held) else 0)
 
     F = running(st.fw_post_order)
     B = running(st.bw_pre_order)
     D = B[-1]
+    # calls inside their backward keep their overhead until it ends (recomputed discards are back in ``base``)
+    pre_call = []
+    seen: dict[str, int] = {}
+    for fqn in st.bw_pre_order:
+        pre_call.append(seen.get(fqn, 0))
+        seen[fqn] = pre_call[-1] + 1
+    active = st.backward_active()
     out = []
-    for e in st.events:
+    for e, act in zip(st.events, active):
         base = e.peak_bytes - int(e.state_bytes * shard)
         if e.phase == "fw":
             m = base - F[min(e.fw_done, len(F) - 1)]
-        elif e.phase == "bw":
+        elif e.phase in ("bw", "rc"):
             m = base - (D - B[min(e.bw_started, len(B) - 1)])
-        elif e.phase == "rc":
-            m = base - (D - B[min(e.bw_started, len(B) - 1)])
-            if e.module in discards:
-                m += e.extra_bytes + ck  # its own overhead is held through its recompute
+            m += sum(overhead(st.bw_pre_order[p], pre_call[p]) for p in act if st.bw_pre_order[p] in discards)
+            if e.phase == "rc" and e.module in discards:
+                m += e.extra_bytes
         else:
             m = base
         out.append(m)

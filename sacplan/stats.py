@@ -187,6 +187,10 @@ class ModuleStats:
         act_grad_bytes: per call, peak backward bytes above the live bytes at backward start.
         fw_transient_bytes: per call, the forward peak above the bytes live after the forward
             (temporaries that recomputation allocates again), bytes.
+        held_input_bytes: per call, bytes of the call's input activations that nothing saves for backward
+            (the step frees them before backward starts): checkpointing the module keeps them from its
+            forward to its backward, because ``torch.utils.checkpoint`` holds a region's inputs to re-run it.
+            Empty: none (stats from older versions).
         fw_ms, bw_ms: estimated forward / backward time per call on the target.
         fw_flops, bw_flops: FLOPs per call.
         snapshots: per call, ``{name: MemSnapshot}`` for the names in :data:`SNAPSHOTS`.
@@ -219,6 +223,7 @@ class ModuleStats:
     ops: tuple[OpStat, ...] = ()
     recompute_stop: int = 0
     tradeoff: TradeOff | None = None
+    held_input_bytes: tuple[int, ...] = ()
 
     @property
     def total_act_bytes(self) -> int:
@@ -255,6 +260,7 @@ class ModuleStats:
         kw["tradeoff"] = None if d.get("tradeoff") is None else TradeOff.from_dict(d["tradeoff"])
         for name in ("act_bytes", "act_grad_bytes", "fw_transient_bytes", "fw_flops", "bw_flops"):
             kw[name] = tuple(int(x) for x in d[name])
+        kw["held_input_bytes"] = tuple(int(x) for x in d.get("held_input_bytes", ()))
         for name in ("fw_ms", "bw_ms"):
             kw[name] = tuple(float(x) for x in d[name])
         return cls(**kw)
@@ -275,6 +281,9 @@ class MemoryEvent:
         peak_bytes: peak live bytes of the stretch (all categories).
         state_bytes: parameters + gradients + optimizer state live at that peak (FSDP shards these).
         extra_bytes: for ``"rc"`` events, the recompute transient of ``module``'s forward.
+        bw_done: entries of ``bw_post_order`` completed before the stretch (``-1``: not recorded, stats from
+            older versions); with ``bw_started`` it says which calls are inside their backward
+            (:meth:`ModelStats.backward_active`).
     """
 
     phase: str
@@ -285,6 +294,7 @@ class MemoryEvent:
     peak_bytes: int
     state_bytes: int
     extra_bytes: int = 0
+    bw_done: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -292,6 +302,11 @@ class MemoryEvent:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "MemoryEvent":
         return cls(**dict(d))
+
+
+def _within(fqn: str, outer: str) -> bool:
+    """True when module ``fqn`` is ``outer`` or nested in it (``""`` is the root)."""
+    return not outer or fqn == outer or fqn.startswith(outer + ".")
 
 
 @dataclass(frozen=True)
@@ -347,6 +362,49 @@ class ModelStats:
     def step_ms(self) -> float:
         """Estimated forward + backward + optimizer time, ms."""
         return self.fw_ms + self.bw_ms + self.optimizer_ms
+
+    def backward_active(self) -> list[tuple[int, ...]]:
+        """Per event, the positions in ``bw_pre_order`` of the calls inside their backward there (begun, not ended).
+
+        A checkpointed call keeps what ``torch.utils.checkpoint`` holds for it (inputs, stashed RNG state) until
+        its backward ends, so these are the calls whose overhead an event still carries after their recompute:
+        the event's module and its enclosing modules, among the calls begun and not reported ended. Forward and ``other`` events: none. Events without ``bw_done`` (older stats): at ``rc``
+        events the recomputed call alone, elsewhere none.
+        """
+        occ: dict[str, int] = {}
+        post: dict[tuple[str, int], int] = {}
+        for i, f in enumerate(self.bw_post_order):
+            post[(f, occ.get(f, 0))] = i
+            occ[f] = occ.get(f, 0) + 1
+        occ.clear()
+        ends = []  # per bw_pre position, the bw_post index where its backward ends
+        for f in self.bw_pre_order:
+            ends.append(post.get((f, occ.get(f, 0)), len(self.bw_post_order)))
+            occ[f] = occ.get(f, 0) + 1
+        out: list[tuple[int, ...]] = []
+        inside: set[int] = set()  # swept in event order: backwards begin and end monotonically
+        started = done = 0
+        for e in self.events:
+            if e.phase not in ("bw", "rc"):
+                out.append(())
+                continue
+            if e.bw_done < 0:
+                p = e.bw_started - 1
+                own = e.phase == "rc" and 0 <= p < len(self.bw_pre_order) and self.bw_pre_order[p] == e.module
+                out.append((p,) if own else ())
+                continue
+            if e.bw_started < started or e.bw_done < done:  # not monotone (never seen): start over
+                inside, started, done = set(), 0, 0
+            inside.update(p for p in range(started, min(e.bw_started, len(ends))) if ends[p] >= e.bw_done)
+            started = max(started, e.bw_started)
+            if e.bw_done > done:
+                inside = {p for p in inside if ends[p] >= e.bw_done}
+                done = e.bw_done
+            # the engine runs one module's backward at a time: a call whose backward has not reported its end yet
+            # (its hook waits on a gradient another module's backward starts from) is done once the running
+            # module is neither it nor inside it
+            out.append(tuple(sorted(p for p in inside if _within(e.module, self.bw_pre_order[p]))))
+        return out
 
     def module(self, fqn: str) -> ModuleStats:
         """Stats of module ``fqn`` (KeyError naming close matches if absent)."""

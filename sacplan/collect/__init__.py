@@ -457,10 +457,11 @@ def _merge_events(recorder: StepRecorder) -> tuple[MemoryEvent, ...]:
     events: list[MemoryEvent] = []
     for s in recorder.segments:
         state = s.cats[PARAM] + s.cats[GRAD] + s.cats[OPT]
-        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started if s.phase != "fw" else 0, s.peak, state, s.extra)
+        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started if s.phase != "fw" else 0, s.peak, state, s.extra,
+                         bw_done=s.bw_done if s.phase != "fw" else 0)
         if events and s.phase != "rc":
             last = events[-1]
-            if last.phase == ev.phase and last.fw_done == ev.fw_done and last.bw_started == ev.bw_started:
+            if (last.phase, last.fw_done, last.bw_started, last.bw_done) == (ev.phase, ev.fw_done, ev.bw_started, ev.bw_done):
                 if ev.peak_bytes > last.peak_bytes:
                     events[-1] = ev
                 continue
@@ -526,6 +527,7 @@ def _build_stats(
                 ops=ops,
                 recompute_stop=stop,
                 tradeoff=tradeoff,
+                held_input_bytes=tuple(recorder.held_by_checkpoint(r) for r in recs),
             )
         )
     roots = [m for m in modules if m.parent is None]

@@ -129,7 +129,11 @@ class CallRecord:
     act_kept: int = 0
     out_sids: tuple[int, ...] = ()  #: storage keys of the output (see ``StepRecorder.storage_key``)
     out_new_bytes: int = 0
+    #: global index of the last forward op that made a new output storage (-1: none)
+    out_op: int = -1
     input_bytes: int = 0
+    #: ``(storage key, bytes)`` of the tracked activation storages among the call's tensor inputs
+    input_keys: tuple[tuple[int, int], ...] = ()
     output_bytes: int = 0
     fw_ms: float = 0.0
     bw_ms: float = 0.0
@@ -149,6 +153,7 @@ class Segment:
     peak: int
     cats: tuple[int, ...]
     extra: int = 0
+    bw_done: int = 0  #: entries of ``bw_post_order`` completed before the stretch
 
 
 class StepRecorder(TorchDispatchMode):
@@ -197,6 +202,9 @@ class StepRecorder(TorchDispatchMode):
         # forward ops
         self.ops: list[OpRecord] = []
         self.packed_sids: set[int] = set()  # storage keys of the tensors autograd saved
+        #: storage keys freed during the recorded forward (before any backward op ran)
+        self.freed_in_fw: set[int] = set()
+        self.bw_seen = False
         # totals
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
@@ -248,6 +256,8 @@ class StepRecorder(TorchDispatchMode):
     def _free(self, sid: int) -> None:
         info = self.storages.pop(sid, None)
         if info is not None:
+            if self.recording and not self.bw_seen and torch._C._current_graph_task_id() == -1:
+                self.freed_in_fw.add(info[2])
             self.live[info[1]] -= info[0]
             self.total -= info[0]
             if info[3] == ACT:
@@ -271,6 +281,21 @@ class StepRecorder(TorchDispatchMode):
                 self.total -= info[0]
                 info[0] = 0
 
+    def _activation_keys(self, x: Any) -> tuple[tuple[int, int], ...]:
+        """``(storage key, bytes)`` of each distinct activation storage (made by this step's forward) in ``x``."""
+        out: dict[int, int] = {}
+        for st in storages_of(x):
+            info = self.storages.get(id(st))
+            if info is not None and info[3] == ACT:
+                out[info[2]] = info[0]
+        return tuple(out.items())
+
+    def held_by_checkpoint(self, rec: CallRecord) -> int:
+        """Bytes a non-reentrant checkpoint of ``rec`` would keep besides saved tensors: its activation inputs
+        that the step freed before backward began (nothing saved them). ``torch.utils.checkpoint`` holds a
+        region's inputs until the region's backward to re-run it; inputs something saves live that long anyway."""
+        return sum(b for k, b in rec.input_keys if k in self.freed_in_fw)
+
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.live)
 
@@ -291,7 +316,8 @@ class StepRecorder(TorchDispatchMode):
             else:
                 mod, call = "", 0
             self.segments.append(
-                Segment(phase, mod, call, len(self.fw_post_order), len(self.bw_pre_order), self.seg_peak, self.seg_cats)
+                Segment(phase, mod, call, len(self.fw_post_order), len(self.bw_pre_order), self.seg_peak, self.seg_cats,
+                        bw_done=len(self.bw_post_order))
             )
             if self.seg_peak > self.step_peak:
                 self.step_peak = self.seg_peak
@@ -310,6 +336,8 @@ class StepRecorder(TorchDispatchMode):
         new_bytes = 0
         out_sids = []
         in_bw = torch._C._current_graph_task_id() != -1
+        if in_bw and self.recording:
+            self.bw_seen = True
         category = TEMP if (in_bw or self.in_optimizer) else ACT
         fresh = 0
         out_new = []
@@ -405,6 +433,7 @@ class StepRecorder(TorchDispatchMode):
             alloc_seq_pre=self.alloc_seq,
             act_alloc_pre=self.act_alloc_total,
             input_bytes=_tensor_bytes_of(inputs, self.spec),
+            input_keys=self._activation_keys(inputs),
         )
         self.calls.append(rec)
         self.fw_stack.append(rec)
@@ -441,6 +470,7 @@ class StepRecorder(TorchDispatchMode):
             sids.append(info[2])
             if info[2] > rec.alloc_seq_pre and info[1] == ACT:
                 new_out += info[0]
+                rec.out_op = max(rec.out_op, self.sid_creator.get(id(st), -1))
         rec.out_sids = tuple(sids)
         rec.out_new_bytes = new_out
         kept = self.act_alloc_total - rec.act_alloc_pre - rec.act_freed_inside
@@ -450,6 +480,7 @@ class StepRecorder(TorchDispatchMode):
             # Tensors passed by keyword are inputs too (the global pre-hook only sees positional ones):
             # count them, and end this call's backward when their gradients are done as well.
             rec.input_bytes = _tensor_bytes_of((inputs, kwargs), self.spec)
+            rec.input_keys = self._activation_keys((inputs, kwargs))
             flat, _ = tree_flatten(kwargs)
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
                 self._register_bw_post(mod, fqn, (inputs, kwargs), rec)
@@ -472,10 +503,13 @@ class StepRecorder(TorchDispatchMode):
             rec.event_bw_start = len(self.segments)
             self.bw_pre_order.append(rec.fqn)
             self.bw_active.append(rec)
-            # Recomputing this call's forward (if checkpointed) would happen here.
+            # Recomputing this call's forward (if checkpointed) would happen here: its forward transients again,
+            # and, when the recomputation re-runs the op that made the output (early stop after the last saved
+            # tensor), a fresh copy of the output until the recomputation ends.
+            recreated = rec.out_new_bytes if 0 <= rec.out_op < rec.last_pack else 0
             self.segments.append(
                 Segment("rc", rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
-                        extra=max(0, sum(rec.peak_fw) - sum(rec.post_fw)))
+                        extra=max(0, sum(rec.peak_fw) - sum(rec.post_fw)) + recreated, bw_done=len(self.bw_post_order))
             )
 
         register_multi_grad_hook(tensors, hook, mode="any")

@@ -40,6 +40,7 @@ from sacplan.solve.backends import (
     solve_model,
 )
 from sacplan.solve.limits import DEFAULT_SOLVE_S, SolveInterrupted, check_time_limit, deadline, lifted, time_limit_message
+from sacplan.stats import ModuleStats
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
@@ -69,6 +70,10 @@ class Candidate:
     intercepts: tuple[float, ...]
     parent_slot: int  # nearest candidate ancestor, -1 if none
     has_child: bool  # some candidate lies below it
+    #: bytes each call keeps only because it is checkpointed (stashed RNG state, inputs nothing else saves)
+    overhead_bytes: tuple[float, ...] = ()
+    #: smallest discard ratio at which no call keeps more than it frees (``r >= min_ratio`` when checkpointed)
+    min_ratio: float = 0.0
 
     def cost(self, r: float, y: float = 1.0) -> float:
         """MILP recompute ms over all calls: ``calls · R · max(0, max_s(slope_s·r + intercept_s·y))``."""
@@ -159,6 +164,7 @@ class SacProblem:
         for f in tree.stats.fw_post_order:
             post_calls[f] = post_calls.get(f, 0) + 1
         chosen: list[int] = []
+        overheads: dict[int, tuple[tuple[float, ...], float]] = {}
         for n in tree.nodes:
             t = n.stats.tradeoff
             if named is not None and n.index not in named:
@@ -178,6 +184,14 @@ class SacProblem:
             if not eligible:
                 if named is not None:
                     self.notes.append(f"ac unit {n.fqn!r} has no discardable activations and is skipped")
+                continue
+            overheads[n.index] = self._overheads(n.stats, post_calls[n.fqn])
+            if overheads[n.index][1] > 1.0:
+                if named is not None:
+                    self.notes.append(
+                        f"ac unit {n.fqn!r} would keep more bytes checkpointed (inputs held until its backward, "
+                        "stashed RNG state) than it can discard, and is skipped"
+                    )
                 continue
             chosen.append(n.index)
         slot_of = {ni: s for s, ni in enumerate(chosen)}
@@ -204,6 +218,7 @@ class SacProblem:
             env = envelope(t.slopes, t.intercepts)
             act = tuple(int(a) for a in n.stats.act_bytes) or (int(t.max_discard_bytes),)
             act = tuple(act[c] if c < len(act) else act[-1] for c in range(calls))
+            over, min_ratio = overheads[ni]
             out.append(
                 Candidate(
                     slot=s,
@@ -217,9 +232,27 @@ class SacProblem:
                     intercepts=env[1],
                     parent_slot=parents[s],
                     has_child=has_child[s],
+                    overhead_bytes=over,
+                    min_ratio=min_ratio,
                 )
             )
         return out
+
+    def _overheads(self, ms: ModuleStats, calls: int) -> tuple[tuple[float, ...], float]:
+        """Per call, the bytes checkpointing keeps besides saved tensors (stashed RNG state on a CPU target,
+        :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and the smallest discard ratio at which every call
+        frees at least that much.
+
+        Checkpointing a call that keeps more than it frees only adds bytes, so only ratios at or above that
+        minimum are offered: this cuts off dominated choices only, and keeps running sums of discards
+        monotone (what lets :meth:`_select_events` drop dominated events)."""
+        t = ms.tradeoff
+        assert t is not None
+        act = tuple(int(a) for a in ms.act_bytes) or (int(t.max_discard_bytes),)
+        held = ms.held_input_bytes
+        over = tuple(self.ck_overhead + float(held[c] if c < len(held) else 0) for c in range(calls))
+        ratios = [o / (act[c] if c < len(act) else act[-1]) if o > 0 else 0.0 for c, o in enumerate(over)]
+        return over, max(ratios, default=0.0)
 
     def _relaxed_candidate(self, c: Candidate) -> Candidate:
         st = self.tree.nodes[c.node].stats
@@ -232,9 +265,9 @@ class SacProblem:
     def _orders(self, tree: ModuleTree) -> None:
         slot_by_fqn = {c.fqn: c for c in self.candidates}
 
-        def positions(order: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def positions(order: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             seen: dict[str, int] = {}
-            slots, amts, kc = [], [], [0]
+            slots, amts, over, kc = [], [], [], [0]
             for f in order:
                 c = seen.get(f, 0)
                 seen[f] = c + 1
@@ -242,15 +275,18 @@ class SacProblem:
                 if cand is not None and c < cand.calls:
                     slots.append(cand.slot)
                     amts.append(float(cand.act_bytes[c]))
+                    over.append(float(cand.overhead_bytes[c]) if c < len(cand.overhead_bytes) else self.ck_overhead)
                     kc.append(kc[-1] + 1)
                 else:
                     kc.append(kc[-1])
-            return np.asarray(slots, dtype=np.int64), np.asarray(amts, dtype=float), np.asarray(kc, dtype=np.int64)
+            arr = lambda v, t=float: np.asarray(v, dtype=t)  # noqa: E731
+            return arr(slots, np.int64), arr(amts), arr(over), arr(kc, np.int64)
 
         st = tree.stats
-        #: candidate entries of fw_post_order: slot and bytes A_{i,c}; kc_fw[k] = candidate entries among the first k
-        self.fw_slot, self.fw_amt, self.kc_fw = positions(st.fw_post_order)
-        self.bw_slot, self.bw_amt, self.kc_bw = positions(st.bw_pre_order)
+        #: candidate entries of fw_post_order: slot, bytes A_{i,c} and overhead o_{i,c} (kept while checkpointed);
+        #: kc_fw[k] = candidate entries among the first k
+        self.fw_slot, self.fw_amt, self.fw_over, self.kc_fw = positions(st.fw_post_order)
+        self.bw_slot, self.bw_amt, self.bw_over, self.kc_bw = positions(st.bw_pre_order)
 
     def _events(self, tree: ModuleTree) -> None:
         st = tree.stats
@@ -266,30 +302,46 @@ class SacProblem:
         self.ev_phase = np.empty(n, dtype=np.int64)
         self.ev_k = np.zeros(n, dtype=np.int64)
         self.ev_base = np.empty(n, dtype=float)
-        self.ev_extra = np.zeros(n, dtype=float)
-        self.ev_slot = np.full(n, -1, dtype=np.int64)
         self.ev_module = [e.module for e in events]
         shed = 1.0 - self.state_keep
         nf, nb = len(st.fw_post_order), len(st.bw_pre_order)
+        # What checkpointing a slot adds at an event, as sparse (event, slot, bytes) triples: the overhead of each
+        # call inside its backward there (held until that backward ends) and, at a call's rc event, its
+        # recompute transient.
+        active = st.backward_active() if st.events else [()] * n
+        t_ev: list[int] = []
+        t_slot: list[int] = []
+        t_coef: list[float] = []
+        self.ev_terms: list[tuple[tuple[int, float], ...]] = []
         for i, e in enumerate(events):
             ph = _PHASES.get(e.phase)
             if ph is None:
                 raise ConfigError(f"memory event {i} has unknown phase {e.phase!r} (expected fw, bw, rc or other)")
             self.ev_base[i] = float(e.peak_bytes) - float(e.state_bytes) * shed
+            terms: dict[int, float] = {}
             if ph == FW:
                 self.ev_k[i] = min(max(int(e.fw_done), 0), nf)
             elif ph in (BW, RC):
                 self.ev_k[i] = min(max(int(e.bw_started), 0), nb)
-                if ph == RC:
-                    s = slot_by_fqn.get(e.module, -1)
-                    # a checkpointed call keeps its overhead (stashed RNG state) through its own recompute
-                    extra = float(e.extra_bytes) + self.ck_overhead
-                    if s >= 0 and extra > 0:
-                        self.ev_slot[i] = s
-                        self.ev_extra[i] = extra
-                    else:
-                        ph = BW
+                for p in active[i]:
+                    if p < nb and self.kc_bw[p + 1] > self.kc_bw[p]:
+                        q = int(self.kc_bw[p])
+                        if self.bw_over[q] > 0:
+                            sl = int(self.bw_slot[q])
+                            terms[sl] = terms.get(sl, 0.0) + float(self.bw_over[q])
+                s = slot_by_fqn.get(e.module, -1) if ph == RC else -1
+                if s >= 0 and e.extra_bytes > 0:
+                    terms[s] = terms.get(s, 0.0) + float(e.extra_bytes)
+                ph = RC if terms else BW
             self.ev_phase[i] = ph
+            self.ev_terms.append(tuple(sorted(terms.items())))
+            for sl, cf in terms.items():
+                t_ev.append(i)
+                t_slot.append(sl)
+                t_coef.append(cf)
+        self.t_ev = np.asarray(t_ev, dtype=np.int64)
+        self.t_slot = np.asarray(t_slot, dtype=np.int64)
+        self.t_coef = np.asarray(t_coef, dtype=float)
 
     # -- exact evaluation -------------------------------------------------------------------------------
     @property
@@ -355,18 +407,17 @@ class SacProblem:
         m = self.ev_base.copy()
         if self.num_candidates == 0:
             return m
-        o = self.ck_overhead if with_extra else 0.0
-        F = np.concatenate([[0.0], np.cumsum(self.fw_amt * r[self.fw_slot] - o * yb[self.fw_slot])])
-        B = np.concatenate([[0.0], np.cumsum(self.bw_amt * r[self.bw_slot] - o * yb[self.bw_slot])])
+        k = 1.0 if with_extra else 0.0
+        F = np.concatenate([[0.0], np.cumsum(self.fw_amt * r[self.fw_slot] - k * self.fw_over * yb[self.fw_slot])])
+        B = np.concatenate([[0.0], np.cumsum(self.bw_amt * r[self.bw_slot] - k * self.bw_over * yb[self.bw_slot])])
         D = B[-1]
         ph = self.ev_phase
         fw = ph == FW
         m[fw] -= F[self.kc_fw[self.ev_k[fw]]]
         bw = (ph == BW) | (ph == RC)
         m[bw] -= D - B[self.kc_bw[self.ev_k[bw]]]
-        rc = ph == RC
-        if with_extra and rc.any():
-            m[rc] += self.ev_extra[rc] * (y[self.ev_slot[rc]] > 0.5)
+        if with_extra and len(self.t_ev):
+            m += np.bincount(self.t_ev, weights=self.t_coef * yb[self.t_slot], minlength=len(m))
         return m
 
     def peak(self, y: Sequence[float], r: Sequence[float]) -> float:
@@ -394,7 +445,7 @@ class SacProblem:
         """Candidates with identical numbers (calls, bytes per call, recompute ms, trade-off lines), by slot."""
         groups: dict[tuple, list[int]] = {}
         for c in self.candidates:
-            key = (c.calls, c.act_bytes, c.max_discard_bytes, c.recompute_ms, c.slopes, c.intercepts)
+            key = (c.calls, c.act_bytes, c.max_discard_bytes, c.recompute_ms, c.slopes, c.intercepts, c.overhead_bytes)
             groups.setdefault(key, []).append(c.slot)
         return sorted(groups.items(), key=lambda kv: kv[1][0])
 
@@ -415,11 +466,14 @@ class SacProblem:
         return float(np.max(self.peaks(ones, ones, with_extra=False)))
 
     # -- event selection ----------------------------------------------------------------------------------
-    def _select_events(self, budget: float | None) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, int, float, float]], float, int]:
+    def _select_events(
+        self, budget: float | None
+    ) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, tuple[tuple[int, float], ...], float]], float, int]:
         """Constraints that remain after pruning and dominance.
 
         Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
-        [(kc, slot, need, extra)], the largest ``other`` need, and the number of events dropped. ``need`` is
+        [(kc, ((slot, bytes added if checkpointed), ...), need)] for the events where checkpointing adds bytes,
+        the largest ``other`` need, and the number of events dropped. ``need`` is
         ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
         """
         b = 0.0 if budget is None else float(budget)
@@ -431,14 +485,15 @@ class SacProblem:
         # forward: F non-decreasing in kc -> keep strictly increasing needs along kc
         fw_best: dict[int, float] = {}
         # checkpointing can also *add* bytes (the per-call overhead): keep events that overhead could push over
-        slack = self.ck_overhead * max(len(self.fw_slot), len(self.bw_slot))
+        slack = max(float(self.fw_over.sum()), float(self.bw_over.sum()))
         sel = np.nonzero((ph == FW) & ((need + slack > 0) if prune else True))[0]
         for i in sel:
             kc = int(self.kc_fw[self.ev_k[i]])
             if need[i] > fw_best.get(kc, -math.inf):
                 fw_best[kc] = float(need[i])
-        # dominance needs monotone running sums; a per-call overhead (d = A·r - o·y can be < 0) breaks that
-        dominate = self.ck_overhead <= 0
+        # dominance needs monotone running sums: d = A·r - o·y >= 0 for every call, which the rows
+        # r >= min_ratio·y of :meth:`_base_columns` guarantee (see :meth:`_overheads`)
+        dominate = True
         fw, run = [], -math.inf
         for kc in sorted(fw_best):
             if fw_best[kc] > run or not dominate:
@@ -456,19 +511,22 @@ class SacProblem:
             if bw_best[kc] > run or not dominate:
                 bw.append((kc, bw_best[kc]))
                 run = bw_best[kc]
-        # recompute events: Pareto-maximal (need, extra) per (kc, slot)
-        groups: dict[tuple[int, int], list[tuple[float, float]]] = {}
-        sel = np.nonzero((ph == RC) & (((need + self.ev_extra + slack) > 0) if prune else True))[0]
-        for i in sel:
-            key = (int(self.kc_bw[self.ev_k[i]]), int(self.ev_slot[i]))
-            groups.setdefault(key, []).append((float(need[i]), float(self.ev_extra[i])))
-        rc = []
+        # events where checkpointing adds bytes (rc events, calls inside their backward): Pareto-maximal
+        # (need, added bytes) per (kc, slots)
+        groups: dict[tuple[int, tuple[int, ...]], list[tuple[float, tuple[float, ...]]]] = {}
+        for i in np.nonzero(ph == RC)[0]:
+            terms = self.ev_terms[i]
+            if prune and need[i] + slack + sum(cf for _, cf in terms) <= 0:
+                continue
+            key = (int(self.kc_bw[self.ev_k[i]]), tuple(sl for sl, _ in terms))
+            groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
+        rc: list[tuple[int, tuple[tuple[int, float], ...], float]] = []
         for key in sorted(groups):
-            best_extra = -math.inf
-            for nd, ex in sorted(groups[key], key=lambda t: (-t[0], -t[1])):
-                if ex > best_extra:
-                    rc.append((key[0], key[1], nd, ex))
-                    best_extra = ex
+            kept_coefs: list[tuple[float, ...]] = []
+            for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
+                if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept_coefs):
+                    rc.append((key[0], tuple(zip(key[1], cfs)), nd))
+                    kept_coefs.append(cfs)
         kept = len(fw) + len(bw) + len(rc) + (1 if other > -math.inf else 0)
         return fw, bw, rc, other, n_total - kept
 
@@ -480,6 +538,8 @@ class SacProblem:
         for c in self.candidates:
             s = c.slot
             model.add_row(f"ry{s}", [idx.r[s], idx.y[s]], [1.0, -1.0], ub=0.0)
+            if c.min_ratio > 0:  # a checkpointed call frees at least what it keeps (see _overheads)
+                model.add_row(f"rmin{s}", [idx.r[s], idx.y[s]], [1.0, -c.min_ratio], lb=0.0)
         # no nested checkpointing: U_i = U_parent + y_i <= 1 along candidate chains
         for c in self.candidates:
             s = c.slot
@@ -593,9 +653,9 @@ class SacProblem:
             for p in range(prev_kc, kc):
                 ind.append(idx.r[int(self.fw_slot[p])])
                 val.append(-self.fw_amt[p] / GiB)
-                if self.ck_overhead:
+                if self.fw_over[p]:
                     ind.append(idx.y[int(self.fw_slot[p])])
-                    val.append(self.ck_overhead / GiB)
+                    val.append(self.fw_over[p] / GiB)
             model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
             Fcol[kc] = col
             idx.F.append((kc, col))
@@ -612,9 +672,9 @@ class SacProblem:
             for p in range(kc, prev_kc):
                 ind.append(idx.r[int(self.bw_slot[p])])
                 val.append(-self.bw_amt[p] / GiB)
-                if self.ck_overhead:
+                if self.bw_over[p]:
                     ind.append(idx.y[int(self.bw_slot[p])])
-                    val.append(self.ck_overhead / GiB)
+                    val.append(self.bw_over[p] / GiB)
             model.add_row(f"Gdef{kc}", ind, val, lb=0.0, ub=0.0)
             Gcol[kc] = col
             idx.G.append((kc, col))
@@ -634,12 +694,12 @@ class SacProblem:
             model,
             idx,
             [kc for kc, _ in fw],
-            [kc for kc, _ in bw] + [kc for kc, _, _, _ in rc],
+            [kc for kc, _ in bw] + [kc for kc, _, _ in rc],
             {kc: nd / GiB for kc, nd in fw},
             {kc: nd / GiB for kc, nd in bw},
         )
-        for kc, s, nd, ex in rc:
-            model.add_row(f"rc{kc}_{s}", [Gcol[kc], idx.y[s]], [1.0, -ex / GiB], lb=nd / GiB)
+        for j, (kc, terms, nd) in enumerate(rc):
+            model.add_row(f"rc{j}_{kc}", [Gcol[kc]] + [idx.y[s] for s, _ in terms], [1.0] + [-cf / GiB for _, cf in terms], lb=nd / GiB)
         return model, idx, infeasible
 
     def build_min_peak(self) -> tuple[MilpModel, _Index]:
@@ -651,14 +711,17 @@ class SacProblem:
         lbP = max([0.0, other / GiB if other > -math.inf else 0.0])
         idx.P = model.add_col("P", lbP, math.inf, False, 1.0)
         Fcol, Gcol = self._sums(
-            model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, _, _, _ in rc], {}, {}
+            model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, _, _ in rc], {}, {}
         )
         for kc, base in fw:
             model.add_row(f"pf{kc}", [Fcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
         for kc, base in bw:
             model.add_row(f"pb{kc}", [Gcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
-        for kc, s, base, ex in rc:
-            model.add_row(f"pr{kc}_{s}", [Gcol[kc], idx.y[s], idx.P], [1.0, -ex / GiB, 1.0], lb=base / GiB)
+        for j, (kc, terms, base) in enumerate(rc):
+            model.add_row(
+                f"pr{j}_{kc}", [Gcol[kc], idx.P] + [idx.y[s] for s, _ in terms], [1.0, 1.0] + [-cf / GiB for _, cf in terms],
+                lb=base / GiB,
+            )
         return model, idx
 
     # -- solutions ----------------------------------------------------------------------------------------
@@ -701,13 +764,12 @@ class SacProblem:
                 x[idx.u[c.slot]] = up + y[c.slot]
         ra = np.asarray(r)
         ya = np.asarray(y)
-        o = self.ck_overhead
         if len(self.fw_slot):
-            F = np.concatenate([[0.0], np.cumsum((self.fw_amt * ra[self.fw_slot] - o * ya[self.fw_slot]) / GiB)])
+            F = np.concatenate([[0.0], np.cumsum((self.fw_amt * ra[self.fw_slot] - self.fw_over * ya[self.fw_slot]) / GiB)])
             for kc, col in idx.F:
                 x[col] = float(F[kc])
         if len(self.bw_slot):
-            B = np.concatenate([[0.0], np.cumsum((self.bw_amt * ra[self.bw_slot] - o * ya[self.bw_slot]) / GiB)])
+            B = np.concatenate([[0.0], np.cumsum((self.bw_amt * ra[self.bw_slot] - self.bw_over * ya[self.bw_slot]) / GiB)])
             for kc, col in idx.G:
                 x[col] = float(B[-1] - B[kc])
         if idx.P >= 0:
@@ -845,26 +907,25 @@ class SacProblem:
         """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes).
 
         ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
-        checkpointing ``s`` adds at ``e`` (its per-call overhead while discarded, its recompute transient at
-        its rc events). Memoised."""
+        checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
+        recompute transient at its rc events). Memoised."""
         if getattr(self, "_lin", None) is None:
             n, nc = len(self.ev_base), self.num_candidates
             C = np.zeros((n, nc))
             Y = np.zeros((n, nc))
-            o = self.ck_overhead
             fw_c = np.zeros((len(self.fw_slot) + 1, nc))  # per kc: discard coefficients of the first kc entries
             fw_y = np.zeros((len(self.fw_slot) + 1, nc))
             for p, (sl, a) in enumerate(zip(self.fw_slot, self.fw_amt)):
                 fw_c[p + 1], fw_y[p + 1] = fw_c[p], fw_y[p]
                 fw_c[p + 1, sl] += a
-                fw_y[p + 1, sl] += o
+                fw_y[p + 1, sl] += self.fw_over[p]
             nb = len(self.bw_slot)
             bw_c = np.zeros((nb + 1, nc))  # per kc: coefficients of entries kc.. (not yet re-materialised)
             bw_y = np.zeros((nb + 1, nc))
             for p in range(nb - 1, -1, -1):
                 bw_c[p], bw_y[p] = bw_c[p + 1], bw_y[p + 1]
                 bw_c[p, self.bw_slot[p]] += self.bw_amt[p]
-                bw_y[p, self.bw_slot[p]] += o
+                bw_y[p, self.bw_slot[p]] += self.bw_over[p]
             for e in range(n):
                 ph = self.ev_phase[e]
                 if ph == FW:
@@ -873,8 +934,8 @@ class SacProblem:
                 elif ph in (BW, RC):
                     kc = int(self.kc_bw[self.ev_k[e]])
                     C[e], Y[e] = bw_c[kc], bw_y[kc]
-                    if ph == RC:
-                        Y[e, self.ev_slot[e]] += self.ev_extra[e]
+            if len(self.t_ev):
+                np.add.at(Y, (self.t_ev, self.t_slot), self.t_coef)
             self._lin = (C, Y)
         return self._lin
 

@@ -120,8 +120,10 @@ def test_step_peak_is_the_optimizer_sqrt_temporaries(request, which, state):
 def test_backward_peak_event(request, which, state, scalar):
     stats = request.getfixturevalue(which)
     P, G, O = state[""]
+    # Module 0's backward: a stretch per backward end seen inside it (Linear 2's, the ReLU's); the peak is the last.
     bw = [e for e in stats.events if e.phase == "bw" and e.module == "0"]
-    assert len(bw) == 1
+    assert [e.bw_done for e in bw] == sorted({e.bw_done for e in bw})
+    bw = [max(bw, key=lambda e: e.peak_bytes)]
     # all gradients + grad_h1 + loss and its seed gradient, on top of params, optimizer state and x
     assert bw[0].peak_bytes == P + O + X + G + H1 + 2 * scalar
     # At that instant W0's and b0's gradients are still backward temporaries (AccumulateGrad has not adopted
