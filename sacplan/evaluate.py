@@ -27,7 +27,7 @@ from typing import Iterable, Mapping, Sequence
 from sacplan.devices import checkpoint_state_bytes
 from sacplan.opnames import op_keys
 from sacplan.stats import ModuleStats, OpStat
-from sacplan.tradeoff import greedy_vertices, op_groups
+from sacplan.tradeoff import greedy_vertices, op_groups, recompute_surge
 from sacplan.tree import ModuleTree
 
 #: A choice for one module: ``None`` = full checkpointing (save nothing but what must be saved);
@@ -44,6 +44,8 @@ class ModuleOutcome:
     recompute_ms: float
     recompute_flops: int
     saved_keys: frozenset
+    #: bytes each recomputation peaks above the call's forward peak (:func:`~sacplan.tradeoff.recompute_surge`)
+    surge_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
         recompute_ms=ms * stats.calls,
         recompute_flops=flops * stats.calls,
         saved_keys=frozenset(keys[i] for i in saved_pos),
+        surge_bytes=recompute_surge(ops, saved_pos, stop),
     )
 
 
@@ -111,16 +114,22 @@ def _raw_kept(stats: ModuleStats) -> list[int]:
 
 
 def event_peaks(
-    tree: ModuleTree, discards: Mapping[str, Sequence[int]], world_size: int | None = None
+    tree: ModuleTree,
+    discards: Mapping[str, Sequence[int]],
+    world_size: int | None = None,
+    surges: Mapping[str, int] | None = None,
 ) -> list[int]:
     """Predicted bytes at every event of ``tree.stats.events`` for per-call ``discards`` (fqn → bytes per call).
 
     Every module in ``discards`` is checkpointed: each of its calls also keeps
     :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU)
     and its :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs the checkpoint holds), from its forward
-    to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`).
+    to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`); at its rc events the
+    recompute transient (``extra_bytes``) plus ``surges[fqn]`` (bytes a selective recomputation peaks above
+    the forward, :attr:`ModuleOutcome.surge_bytes`).
     """
     st = tree.stats
+    surges = surges or {}
     ck = checkpoint_state_bytes(st.device)  # kept per checkpointed call besides saved tensors (CPU target)
     ws = world_size or st.world_size
     shard = 1.0 - st.world_size / ws if ws > st.world_size else 0.0
@@ -158,7 +167,7 @@ def event_peaks(
             m = base - (D - B[min(e.bw_started, len(B) - 1)])
             m += sum(overhead(st.bw_pre_order[p], pre_call[p]) for p in act if st.bw_pre_order[p] in discards)
             if e.phase == "rc" and e.module in discards:
-                m += e.extra_bytes
+                m += e.extra_bytes + surges.get(e.module, 0)
         else:
             m = base
         out.append(m)
@@ -173,7 +182,7 @@ def predict(
     for fqn, choice in sorted(choices.items(), key=lambda kv: tree.index_of(kv[0])):
         outcomes.append(module_outcome(tree.node(fqn).stats, choice))
     discards = {o.fqn: o.discard_bytes for o in outcomes}
-    peaks = event_peaks(tree, discards, world_size)
+    peaks = event_peaks(tree, discards, world_size, {o.fqn: o.surge_bytes for o in outcomes})
     base = event_peaks(tree, {}, world_size)
     i = max(range(len(peaks)), key=peaks.__getitem__) if peaks else 0
     return Prediction(

@@ -51,6 +51,7 @@ def plot_memory_timeline(tree: Any, plan: Any = None, budget: Any = None, *, pat
     default the plan's budget) is drawn as a horizontal line.
     """
     from sacplan.evaluate import event_peaks
+    from sacplan.tradeoff import recompute_surge
     from sacplan.units import parse_budget
 
     stats = tree.stats
@@ -70,7 +71,12 @@ def plot_memory_timeline(tree: Any, plan: Any = None, budget: Any = None, *, pat
     ax.plot(x, [v / GiB for v in base], color="0.3", lw=1.2, label=f"no AC (peak {max(base, default=0) / GiB:.2f} GiB)")
     if plan is not None:
         discards = {d.fqn: [int(d.discard_bytes)] * int(d.calls) for d in plan.decisions}
-        with_plan = event_peaks(tree, discards, ws)
+        surges = {}
+        for d in plan.decisions:
+            if d.saved_ops is not None and d.fqn in tree:
+                ms = tree.node(d.fqn).stats
+                surges[d.fqn] = recompute_surge(ms.ops, [i for i, _, _ in d.saved_ops], ms.recompute_stop)
+        with_plan = event_peaks(tree, discards, ws, surges)
         ax.plot(x, [v / GiB for v in with_plan], color="tab:green", lw=1.5,
                 label=f"with plan (peak {max(with_plan, default=0) / GiB:.2f} GiB)")
     if budget is None and plan is not None:

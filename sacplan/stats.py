@@ -89,6 +89,11 @@ class OpStat:
         is_output: an output of this op is (part of) the module's output.
         save_cost_bytes: bytes that saving this op under SAC holds beyond the module's output:
             ``out_bytes`` unless the output is the module output itself (then 0).
+        below_peak_bytes: how far the live bytes stood below this call's forward peak just after the op ran
+            (its outputs and kernel scratch allocated); ``None`` when not recorded (stats from older versions).
+            A selective recomputation holds every saved tensor from its start, so where saved tensors made
+            *after* an op outweigh this headroom, recomputation peaks above the forward
+            (:func:`~sacplan.tradeoff.recompute_surge`).
     """
 
     index: int
@@ -103,6 +108,7 @@ class OpStat:
     saved_by_autograd: bool = False
     is_output: bool = False
     save_cost_bytes: int = 0
+    below_peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,8 +24,9 @@ bends, each raised just enough to bound the staircase corners in its own range (
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -68,6 +69,30 @@ def op_groups(ops: Sequence[OpStat]) -> dict[int, list[int]]:
             continue
         groups.setdefault(g.find(o.index), []).append(o.index)
     return groups
+
+
+def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop: int) -> int:
+    """Bytes a selective recomputation of one call peaks above a full one's (0 if it does not).
+
+    A full recomputation re-runs ops ``0 .. recompute_stop - 1`` and holds at most what the forward held among
+    them. A selective one holds every tensor the plan saved (``saved``: op indices) from its start, where the
+    forward held each only from the op that made it: while op ``t`` re-runs, the forward's live bytes plus the
+    saved bytes made after ``t``. With ``b_t`` = :attr:`~sacplan.stats.OpStat.below_peak_bytes` and ``K_t`` the
+    saved bytes after ``t``: ``max(0, max_t (K_t - b_t) - max_t (-b_t))`` over ``t < recompute_stop``.
+    0 for a full checkpoint (nothing saved) and when the ops carry no live figures.
+    """
+    keep = set(saved)
+    stop = max(0, min(recompute_stop, len(ops)))
+    if not keep or stop == 0 or any(o.below_peak_bytes is None for o in ops[:stop]):
+        return 0
+    after = sum(o.save_cost_bytes for o in ops[stop:] if o.index in keep)  # held from the start too
+    with_saved = -math.inf
+    for o in reversed(ops[:stop]):
+        with_saved = max(with_saved, after - int(o.below_peak_bytes or 0))
+        if o.index in keep:
+            after += o.save_cost_bytes
+    full = -min(int(o.below_peak_bytes or 0) for o in ops[:stop])
+    return max(0, int(with_saved - full))
 
 
 def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) -> tuple[list[tuple[int, float, int]], int]:

@@ -102,6 +102,8 @@ class OpRecord:
     inplace_parent: int | None
     #: bytes each output storage added (parallel to ``out_sids``; 0 where the storage existed before the op)
     out_new: tuple[int, ...] = ()
+    #: live bytes just after the op (outputs allocated, inputs not yet released) plus its kernel scratch
+    live: int = 0
 
 
 @dataclass
@@ -195,6 +197,7 @@ class StepRecorder(TorchDispatchMode):
         self.call_count: dict[str, int] = {}
         self.fw_stack: list[CallRecord] = []
         self.bw_active: list[CallRecord] = []
+        self.failed_op: tuple[Any, BaseException] | None = None
         self.fw_pre_order: list[str] = []
         self.fw_post_order: list[str] = []
         self.bw_pre_order: list[str] = []
@@ -329,7 +332,11 @@ class StepRecorder(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            self.failed_op = (func, e)  # the op a failing step died in (collect names it)
+            raise
         if func in IGNORED_OPS:
             return out
         is_view, is_inplace = op_kind(func)
@@ -390,7 +397,8 @@ class StepRecorder(TorchDispatchMode):
                         break
             for sid in out_sids:
                 self.sid_creator.setdefault(sid, g)
-            self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent, tuple(out_new)))
+            self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent, tuple(out_new),
+                                     self.total + ws))
             for rec in self.fw_stack:
                 rec.fw_ms += ms
                 rec.fw_flops += flops
@@ -503,13 +511,18 @@ class StepRecorder(TorchDispatchMode):
             rec.event_bw_start = len(self.segments)
             self.bw_pre_order.append(rec.fqn)
             self.bw_active.append(rec)
-            # Recomputing this call's forward (if checkpointed) would happen here: its forward transients again,
-            # and, when the recomputation re-runs the op that made the output (early stop after the last saved
-            # tensor), a fresh copy of the output until the recomputation ends.
-            recreated = rec.out_new_bytes if 0 <= rec.out_op < rec.last_pack else 0
+            # Recomputing this call's forward (if checkpointed) would happen here. It re-runs the ops up to the last
+            # one that saved a tensor (early stop) and holds, at its highest, what the forward held at its highest
+            # among those ops above the call's start; the events after it count the saved tensors (S = post -
+            # output) as back, so the transient beyond them is max_t live_t - (post_fw - output). The output is
+            # not part of S: it is in the base only where something still holds it, and a recomputation that
+            # re-runs the op making it allocates a fresh copy (counted in live_t).
+            ran = self.ops[rec.op_start : rec.last_pack] if rec.last_pack > rec.op_start else []
+            top = max((o.live for o in ran), default=0)
+            extra = max(0, top - (sum(rec.post_fw) - rec.out_new_bytes)) if ran else 0
             self.segments.append(
                 Segment("rc", rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
-                        extra=max(0, sum(rec.peak_fw) - sum(rec.post_fw)) + recreated, bw_done=len(self.bw_post_order))
+                        extra=extra, bw_done=len(self.bw_post_order))
             )
 
         register_multi_grad_hook(tensors, hook, mode="any")

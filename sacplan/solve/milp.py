@@ -41,6 +41,7 @@ from sacplan.solve.backends import (
 )
 from sacplan.solve.limits import DEFAULT_SOLVE_S, SolveInterrupted, check_time_limit, deadline, lifted, time_limit_message
 from sacplan.stats import ModuleStats
+from sacplan.tradeoff import recompute_surge
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
@@ -129,6 +130,7 @@ class SacProblem:
         self.max_options = None if max_options is None else int(max_options)
         self._solver = solver
         self._options: dict[int, ModuleOptions | None] = {}
+        self._surge: dict[int, tuple[int, ...]] = {}
         base_ws = max(1, int(stats.world_size))
         if world_size is None:
             world_size = base_ws
@@ -313,6 +315,8 @@ class SacProblem:
         t_slot: list[int] = []
         t_coef: list[float] = []
         self.ev_terms: list[tuple[tuple[int, float], ...]] = []
+        #: per event: the slot whose rc event it is when that slot's options can surge (else -1), see :meth:`surge`
+        self.ev_surge = np.full(n, -1, dtype=np.int64)
         for i, e in enumerate(events):
             ph = _PHASES.get(e.phase)
             if ph is None:
@@ -332,6 +336,9 @@ class SacProblem:
                 s = slot_by_fqn.get(e.module, -1) if ph == RC else -1
                 if s >= 0 and e.extra_bytes > 0:
                     terms[s] = terms.get(s, 0.0) + float(e.extra_bytes)
+                if s >= 0 and max(self.surge(s), default=0) > 0:
+                    self.ev_surge[i] = s
+                    terms[s] = terms.get(s, 0.0)  # an rc row even where the full recomputation adds nothing
                 ph = RC if terms else BW
             self.ev_phase[i] = ph
             self.ev_terms.append(tuple(sorted(terms.items())))
@@ -379,6 +386,17 @@ class SacProblem:
         self._options[slot] = out
         return out
 
+    def surge(self, slot: int) -> tuple[int, ...]:
+        """Per option of candidate ``slot``: bytes its recomputation peaks above a full one's, at the slot's rc
+        events (:func:`~sacplan.tradeoff.recompute_surge`; ``()`` without exact options). Memoised."""
+        if slot not in self._surge:
+            st = self.tree.nodes[self.candidates[slot].node].stats
+            o = self.options(slot) if any(op.below_peak_bytes is not None for op in st.ops) else None
+            self._surge[slot] = () if o is None else tuple(
+                0 if sel is None else recompute_surge(st.ops, sel.saved, st.recompute_stop) for sel in o.selection
+            )
+        return self._surge[slot]
+
     def options_complete(self) -> bool:
         """True when every candidate picks among its *whole* Pareto front of save lists (exact mode,
         ``max_options=None``, no front thinned): the MILP then ranges over every plan."""
@@ -418,6 +436,13 @@ class SacProblem:
         m[bw] -= D - B[self.kc_bw[self.ev_k[bw]]]
         if with_extra and len(self.t_ev):
             m += np.bincount(self.t_ev, weights=self.t_coef * yb[self.t_slot], minlength=len(m))
+        if with_extra:
+            for i in np.nonzero(self.ev_surge >= 0)[0]:
+                s = int(self.ev_surge[i])
+                if yb[s]:
+                    o = self.options(s)
+                    assert o is not None
+                    m[i] += self.surge(s)[o.level_for(float(r[s]))]
         return m
 
     def peak(self, y: Sequence[float], r: Sequence[float]) -> float:
@@ -468,11 +493,12 @@ class SacProblem:
     # -- event selection ----------------------------------------------------------------------------------
     def _select_events(
         self, budget: float | None
-    ) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, tuple[tuple[int, float], ...], float]], float, int]:
+    ) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, tuple[tuple[int, float], ...], float, int]], float, int]:
         """Constraints that remain after pruning and dominance.
 
         Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
-        [(kc, ((slot, bytes added if checkpointed), ...), need)] for the events where checkpointing adds bytes,
+        [(kc, ((slot, bytes added if checkpointed), ...), need, surge slot)] for the events where checkpointing
+        adds bytes (surge slot: the slot whose option-dependent :meth:`surge` the event adds, else -1),
         the largest ``other`` need, and the number of events dropped. ``need`` is
         ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
         """
@@ -513,19 +539,21 @@ class SacProblem:
                 run = bw_best[kc]
         # events where checkpointing adds bytes (rc events, calls inside their backward): Pareto-maximal
         # (need, added bytes) per (kc, slots)
-        groups: dict[tuple[int, tuple[int, ...]], list[tuple[float, tuple[float, ...]]]] = {}
+        groups: dict[tuple[int, tuple[int, ...], int], list[tuple[float, tuple[float, ...]]]] = {}
         for i in np.nonzero(ph == RC)[0]:
             terms = self.ev_terms[i]
-            if prune and need[i] + slack + sum(cf for _, cf in terms) <= 0:
+            ss = int(self.ev_surge[i])
+            top = max(self.surge(ss)) if ss >= 0 else 0
+            if prune and need[i] + slack + sum(cf for _, cf in terms) + top <= 0:
                 continue
-            key = (int(self.kc_bw[self.ev_k[i]]), tuple(sl for sl, _ in terms))
+            key = (int(self.kc_bw[self.ev_k[i]]), tuple(sl for sl, _ in terms), ss)
             groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
-        rc: list[tuple[int, tuple[tuple[int, float], ...], float]] = []
+        rc: list[tuple[int, tuple[tuple[int, float], ...], float, int]] = []
         for key in sorted(groups):
             kept_coefs: list[tuple[float, ...]] = []
             for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
                 if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept_coefs):
-                    rc.append((key[0], tuple(zip(key[1], cfs)), nd))
+                    rc.append((key[0], tuple(zip(key[1], cfs)), nd, key[2]))
                     kept_coefs.append(cfs)
         kept = len(fw) + len(bw) + len(rc) + (1 if other > -math.inf else 0)
         return fw, bw, rc, other, n_total - kept
@@ -621,8 +649,8 @@ class SacProblem:
         raises the sums between them, and the recompute extras stay (both remain checkpointed). So the
         ordering rows cut off no optimum, only symmetric copies of it.
         """
-        if any(self.candidates[s].calls != 1 for s in members):
-            return None
+        if any(self.candidates[s].calls != 1 or max(self.surge(s), default=0) > 0 for s in members):
+            return None  # a surge sits at the member's own rc event, not in a running sum: the swap may raise it
         fw_pos = {int(sl): p for p, sl in enumerate(self.fw_slot)}
         bw_pos = {int(sl): p for p, sl in enumerate(self.bw_slot)}
         if any(s not in fw_pos or s not in bw_pos for s in members):
@@ -694,13 +722,27 @@ class SacProblem:
             model,
             idx,
             [kc for kc, _ in fw],
-            [kc for kc, _ in bw] + [kc for kc, _, _ in rc],
+            [kc for kc, _ in bw] + [kc for kc, *_ in rc],
             {kc: nd / GiB for kc, nd in fw},
             {kc: nd / GiB for kc, nd in bw},
         )
-        for j, (kc, terms, nd) in enumerate(rc):
-            model.add_row(f"rc{j}_{kc}", [Gcol[kc]] + [idx.y[s] for s, _ in terms], [1.0] + [-cf / GiB for _, cf in terms], lb=nd / GiB)
+        for j, (kc, terms, nd, ss) in enumerate(rc):
+            ind, val = self._added(idx, terms, ss)
+            model.add_row(f"rc{j}_{kc}", [Gcol[kc]] + ind, [1.0] + [-v for v in val], lb=nd / GiB)
         return model, idx, infeasible
+
+    def _added(self, idx: _Index, terms: Sequence[tuple[int, float]], ss: int) -> tuple[list[int], list[float]]:
+        """Columns and GiB coefficients of what checkpointing adds at an rc event: ``terms`` on the ``y`` columns
+        and, for the surge slot ``ss``, its option-dependent surge on its level columns (option 0 on ``y``:
+        ``surge_0·y + Σ_k (surge_k - surge_{k-1})·w_k``, exact for the option the levels pick)."""
+        coef = {idx.y[s]: cf / GiB for s, cf in terms}
+        if ss >= 0 and ss in idx.w:
+            sg = self.surge(ss)
+            coef[idx.y[ss]] = coef.get(idx.y[ss], 0.0) + sg[0] / GiB
+            for k, col in enumerate(idx.w[ss], start=1):
+                if sg[k] != sg[k - 1]:
+                    coef[col] = (sg[k] - sg[k - 1]) / GiB
+        return list(coef), list(coef.values())
 
     def build_min_peak(self) -> tuple[MilpModel, _Index]:
         """The MILP minimising the predicted peak P (GiB) under the same structural constraints."""
@@ -711,17 +753,15 @@ class SacProblem:
         lbP = max([0.0, other / GiB if other > -math.inf else 0.0])
         idx.P = model.add_col("P", lbP, math.inf, False, 1.0)
         Fcol, Gcol = self._sums(
-            model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, _, _ in rc], {}, {}
+            model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, *_ in rc], {}, {}
         )
         for kc, base in fw:
             model.add_row(f"pf{kc}", [Fcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
         for kc, base in bw:
             model.add_row(f"pb{kc}", [Gcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
-        for j, (kc, terms, base) in enumerate(rc):
-            model.add_row(
-                f"pr{j}_{kc}", [Gcol[kc], idx.P] + [idx.y[s] for s, _ in terms], [1.0, 1.0] + [-cf / GiB for _, cf in terms],
-                lb=base / GiB,
-            )
+        for j, (kc, terms, base, ss) in enumerate(rc):
+            ind, val = self._added(idx, terms, ss)
+            model.add_row(f"pr{j}_{kc}", [Gcol[kc], idx.P] + ind, [1.0, 1.0] + [-v for v in val], lb=base / GiB)
         return model, idx
 
     # -- solutions ----------------------------------------------------------------------------------------
@@ -904,7 +944,8 @@ class SacProblem:
         return r
 
     def linear_terms(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes).
+        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes),
+        less the option-dependent :meth:`surge` at rc events (none where ``ev_surge`` is -1 everywhere).
 
         ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
         checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
@@ -951,6 +992,10 @@ class SacProblem:
         """
         t0 = time.perf_counter()
         C, Y = self.linear_terms()
+        if np.any(self.ev_surge >= 0):  # each move checked against the largest surge its slot can add: safe
+            Y = Y.copy()
+            for i in np.nonzero(self.ev_surge >= 0)[0]:
+                Y[i, int(self.ev_surge[i])] += max(self.surge(int(self.ev_surge[i])))
         nc = self.num_candidates
         opts = [self.options(s) for s in range(nc)]
         if any(o is None for o in opts) or nc == 0:
