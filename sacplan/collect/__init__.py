@@ -198,11 +198,10 @@ def collect(
             where = recorder.failed_in[0]  # the forward hooks have unwound fw_stack by now
         else:
             where = recorder.fw_stack[-1].fqn if recorder.fw_stack else (recorder.bw_active[-1].fqn if recorder.bw_active else "")
+        op = recorder.failed_op[0] if recorder.failed_op is not None and _caused_by(e, recorder.failed_op[1]) else None
         raise CollectionError(
-            f"the fake training step failed in module {where or '<top level>'!r} "
-            f"({type(fmodel).__name__}): {type(e).__name__}: {e}. If the model's constructor or forward needs real "
-            "data (data-dependent control flow, .item(), numpy), pass a factory that builds it on the meta device, "
-            "or a train_step that avoids it."
+            f"the fake training step failed in module {where or '<top level>'!r} ({type(fmodel).__name__})"
+            f"{f' at {op}' if op is not None else ''}: {type(e).__name__}: {e}. {failure_hint(op, e)}"
         ) from e
     finally:
         for h in hooks:
@@ -399,6 +398,7 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ..
     ops = recorder.ops[rec.op_start : rec.op_end]
     packed = recorder.packed_sids
     out_sids = set(rec.out_sids)
+    peak = sum(rec.peak_fw)
     seen: dict[str, int] = {}
     result = []
     for k, o in enumerate(ops):
@@ -421,6 +421,7 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ..
                 index=k, name=name, occurrence=occ, out_bytes=o.new_bytes, runtime_ms=o.ms, flops=o.flops,
                 is_view=o.is_view, is_random=o.is_random, inplace_of=parent, saved_by_autograd=saved,
                 is_output=is_out, save_cost_bytes=cost if not o.is_view else 0,
+                below_peak_bytes=max(0, peak - o.live),
             )
         )
     stop = max(0, rec.last_pack - rec.op_start) if rec.last_pack >= 0 else 0
@@ -571,3 +572,32 @@ def _replace(stats: ModelStats, **changes: Any) -> ModelStats:
     import dataclasses
 
     return dataclasses.replace(stats, **changes)
+
+
+def _caused_by(e: BaseException, cause: BaseException) -> bool:
+    """True when ``cause`` is ``e`` or in its chain of causes / contexts."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if cur is cause:
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def failure_hint(op: Any, e: BaseException) -> str:
+    """What to do when the fake step fails in aten op ``op`` (None: not in an op) with ``e``."""
+    name = str(op) if op is not None else ""
+    text = str(e)
+    if "_grouped_mm" in name and "BF16" in text:
+        return ("PyTorch's fake (meta) kernel of aten._grouped_mm accepts only bf16 inputs (the real CPU kernel also "
+                "runs fp32): collect in bf16 (dtype=torch.bfloat16, what a GPU target runs), or pick a dense experts "
+                "kernel (transformers: config._experts_implementation = 'batched_mm').")
+    if type(e).__name__ == "DynamicOutputShapeException" or "nonzero" in name:
+        return (f"{name or 'an op'} has an output shape that depends on tensor values, which fake tensors do not have "
+                "(a per-expert loop, boolean masking): choose a code path without it (transformers mixture-of-experts: "
+                "config._experts_implementation = 'batched_mm'), or pass a train_step that avoids it.")
+    return ("If the model's constructor or forward needs real data (data-dependent control flow, .item(), numpy), "
+            "pass a factory that builds it on the meta device, or a train_step that avoids it.")
+

@@ -8,8 +8,8 @@ gradients bitwise equal; and per model: ``remove_plan`` restores the model exact
 optimizer: at these sizes an AdamW step would hold the peak (parameters dominate), where checkpointing cannot
 act; sizes are chosen so activations dominate (the optimizer's step is covered by tests/apply).
 
-Known collect-side mispredictions being fixed elsewhere are ``xfail(strict=False)`` with the measured error
-and cause (see benchmarks/RESULTS.md, "Conformance").
+Known failures are listed in XFAIL (``xfail(strict=False)``) with the measured figure and cause (see
+benchmarks/RESULTS.md, "Conformance").
 """
 
 from __future__ import annotations
@@ -103,12 +103,23 @@ def _hf_vit() -> nn.Module:
                                                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
 
 
-def _mixtral() -> nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
+def _mixtral_config(experts: str | None = "batched_mm") -> Any:
+    from transformers import MixtralConfig
 
-    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                            num_experts_per_tok=2, max_position_embeddings=64, attention_dropout=0.1))
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                        attention_dropout=0.1)
+    if experts is not None:
+        # transformers' default experts kernel (aten._grouped_mm) has a bf16-only fake kernel in torch, and the eager
+        # per-expert loop has data-dependent shapes: sacplan's CollectionError names both and this remedy (below)
+        cfg._experts_implementation = experts
+    return cfg
+
+
+def _mixtral() -> nn.Module:
+    from transformers import MixtralForCausalLM
+
+    return MixtralForCausalLM(_mixtral_config())
 
 
 # ------------------------------------------------------------------------------------------ torchvision / timm
@@ -208,46 +219,13 @@ BUDGETS = ("near-min", "midway", "near-peak")
 #: Budgets run by default; the other two are ``slow`` (each validation is two real steps, profiled and traced).
 DEFAULT_BUDGETS = ("midway",)
 
-_MHA = ("collect-side: nn.MultiheadAttention regions are under-predicted (issue 13: nn.Transformer 8.2% above, "
-        "+1.03 MiB at the start of an encoder layer's backward); measured {}")
-#: (model, budget or None for all, check) -> reason: known collect-side mispredictions fixed elsewhere
-#: (helper confcollect), with the error measured here (measured - predicted peak, % of measured).
+#: Known failures, ``(model, budget or None for all, check) -> reason``. No peak misprediction is left at the tiny
+#: configs (every model within 0.5% at all three budgets, see benchmarks/RESULTS.md "Conformance").
 XFAIL: dict[tuple[str, str | None, str], str] = {
-    ("nn-encoder", "near-min", "peak"): _MHA.format("+9.01%"),
-    ("nn-encoder", "midway", "peak"): _MHA.format("+4.45%"),
-    ("nn-transformer", "near-min", "peak"): _MHA.format("+10.61%"),
-    ("nn-transformer", "midway", "peak"): _MHA.format("+2.90%"),
-    ("tv-vit", None, "peak"): _MHA.format("issue 13: torchvision ViT 3.9% above"),
-    ("custom-function", None, "peak"): (
-        "new, collect-side: a checkpointed nn.Dropout region (0.drop) keeps its input alive until its backward "
-        "(non-reentrant checkpoint saves the region's inputs) although no op outside saves it: +64 KiB "
-        "(one 8x32x64 fp32 tensor), measured +2.03% near-peak, +2.47% midway"),
-    ("hf-llama-gqa", None, "peak"): (
-        "collect-side: plans measured +5.13% (near-min), +1.69% (midway) above prediction, no-AC exact at this "
-        "config; issue 13's GQA path (FakeTensor seen as tracing: 4-D mask + repeat_kv) or the region-input "
-        "retention below"),
-    ("hf-bert", "near-min", "peak"): (
-        "collect-side: +5.08% with layer.0's attention / intermediate / output checkpointed separately; likely "
-        "the region-input retention (checkpoint keeps a region's inputs until its backward), not isolated"),
-    ("timm-vit", "near-peak", "peak"): (
-        "new, collect-side: checkpointing Dropout modules alone (mlp.drop2, attn.proj_drop) keeps their inputs "
-        "alive (non-reentrant checkpoint saves region inputs) though nothing else saves them: +2.71%"),
-    ("hf-gpt2", None, "peak"): (
-        "collect-side: +6.27% near-min, +1.38% midway, +3.93% near-peak (4 Dropout modules checkpointed alone, "
-        "0 FLOPs recomputed): the region-input retention (checkpoint keeps inputs nothing else saves)"),
-    ("hf-t5", "midway", "peak"): "collect-side: +1.61% (7.74 MiB measured vs 7.62 predicted), not isolated",
-    ("tv-resnet18", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
-    ("timm-resnet", "near-min", "peak"): "collect-side: ResNet tight plans 1.4% above prediction (issue 13)",
+    ("hf-mixtral-moe", None, "grads"): (
+        "not sacplan's: the model's own step is not bitwise reproducible on a multi-threaded CPU (its batched experts "
+        "kernel; two steps without a plan differ by up to 5.8e-10, with torch.set_num_threads(1) by 0)"),
 }
-
-
-#: Models whose collection fails (new, collect-side): every check of theirs is xfail with this reason.
-_MOE = ("new, collect-side: CollectionError in model.layers.0.mlp.experts: transformers' experts call "
-        "aten._grouped_mm, whose meta kernel (FakeTensor) demands bf16 inputs ('Expected inputs of BF16 type but "
-        "got mat_a.dtype=torch.float32'), while the real fp32 CPU step runs")
-BROKEN: dict[str, str] = {"hf-mixtral-moe": _MOE}
-for _check in ("peak", "flops", "grads"):
-    XFAIL[("hf-mixtral-moe", None, _check)] = _MOE
 
 
 def _case(name: str) -> Case:
@@ -334,9 +312,7 @@ def _state(model: nn.Module) -> list[Any]:
     return [sorted((n, sorted(m.__dict__)) for n, m in model.named_modules()), cfgs]
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[pytest.mark.xfail(strict=False, reason=BROKEN[n])] if n in BROKEN else []) for n in CASES]
-)
+@pytest.mark.parametrize("name", list(CASES))
 def test_remove_plan_restores_model(name: str) -> None:
     case = _setup(name)[0]
     torch.manual_seed(0)
@@ -349,3 +325,26 @@ def test_remove_plan_restores_model(name: str) -> None:
         remove_plan(model)
     assert _state(model) == before
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("experts,needle", [(None, "aten._grouped_mm"), ("eager", "aten.nonzero")])
+def test_moe_kernels_fakes_cannot_run_are_named_with_the_remedy(experts: str | None, needle: str) -> None:
+    """transformers' default experts kernel and its eager loop cannot run on fake fp32 tensors: the error names
+    the module, the op and the setting that works (the suite's Mixtral uses it)."""
+    from sacplan.errors import CollectionError
+
+    _case("hf-mixtral-moe")  # skips without transformers
+
+    def build() -> nn.Module:
+        from transformers import MixtralForCausalLM
+
+        cfg = _mixtral_config(None)
+        if experts is not None:
+            cfg._experts_implementation = experts
+        return MixtralForCausalLM(cfg)
+
+    with pytest.raises(CollectionError) as err:
+        collect(build, _lm_inputs(), device=CPU, loss_fn=_hf_loss, optimizer=False)
+    msg = str(err.value)
+    assert "model.layers.0.mlp.experts" in msg and needle in msg and "_experts_implementation = 'batched_mm'" in msg
+
