@@ -112,7 +112,7 @@ def _models() -> dict[str, dict[str, Any]]:
                                                num_labels=1000), **image(64, 1000, True)),
         "vit-l (timm)": dict(build=timm_vit, **image(64, 1000, False)),
         "t5-large": dict(build=_hf("T5ForConditionalGeneration", "T5Config", d_model=1024, d_ff=4096, d_kv=64,
-                                   num_layers=24, num_heads=16, use_cache=False), **lm(32128, 8, 512)),
+                                   num_layers=24, num_heads=16, use_cache=False, decoder_start_token_id=0), **lm(32128, 8, 512)),
         "resnet-50 (torchvision)": dict(build=tv_resnet, **image(64, 1000, False)),
     }
 
