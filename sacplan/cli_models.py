@@ -104,13 +104,13 @@ class ModelSpec:
 
     def collect(self, device: str, *, dtype: str | None, batch: int | None, seq: int | None, progress: Any) -> Any:
         """:func:`sacplan.collect.collect` of this model."""
-        from sacplan.collect import _parse_dtype, collect
+        from sacplan.collect import parse_dtype, collect
 
         if self.preset is not None:
             p = self.preset
             if not self.overrides:
                 return collect(p.name, device=device, dtype=dtype, batch=batch, seq=seq, progress=progress)
-            td = _parse_dtype(dtype)
+            td = parse_dtype(dtype)
             overrides = dict(self.overrides)
             return collect(
                 lambda: p.build(dtype=td, **overrides),

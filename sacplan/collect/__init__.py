@@ -109,7 +109,7 @@ def collect(
     t_start = time.perf_counter()
     say = progress or (lambda s: None)
     spec = get_device(device)
-    dtype = _parse_dtype(dtype)
+    dtype = parse_dtype(dtype)
     rt = RuntimeModel(spec, runtime)
     preset = None
     if isinstance(model, str):
@@ -228,7 +228,9 @@ def collect(
 
 
 # ---------------------------------------------------------------------------------------------- build
-def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A ``torch.dtype`` from a dtype or its name (``"bf16"``, ``"fp16"``, ``"fp32"`` and aliases); None stays
+    None; anything else: ConfigError naming the accepted names."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     names = {
