@@ -5,7 +5,7 @@ Alternatives (all for the same :class:`~sacplan.tree.ModuleTree`):
 
 1. ``no_ac_plan``: no activation checkpointing.
 2. ``full_ac_plan``: full checkpointing of every block (the repeated TransformerBlock / residual blocks:
-   the children, of one module type, of the node with the most such children, see :func:`find_blocks`).
+   the non-leaf children, of one module type, of the node with the most such children, see :func:`find_blocks`).
 3. ``torchtitan_op_sac_plan``: op-level SAC of every block with torchtitan's fixed save list ("selective op"):
    attention ops are saved, matmuls (``aten.mm``/``addmm``/``bmm``/``_scaled_mm``) are saved except every
    second one (torchtitan counts mms per block and recomputes the even-numbered ones: the 2nd, 4th, ...),
@@ -39,6 +39,7 @@ from sacplan.collect.runtime import flop_mapping
 from sacplan.evaluate import Choice, module_outcome, predict
 from sacplan.opnames import ATTENTION, op_keys
 from sacplan.plan import ModuleDecision, Plan
+from sacplan.blocks import repeated_blocks
 from sacplan.tree import ModuleTree
 
 __all__ = [
@@ -72,30 +73,8 @@ def h100_ms(flops: float) -> float:
 
 # ------------------------------------------------------------------------------------------ blocks
 def find_blocks(tree: ModuleTree) -> list[str]:
-    """The repeated blocks: children of one module type of the node with the most such children.
-
-    Ties (e.g. a CNN block with two Conv2d children vs a stage with two residual blocks) go to children
-    that have children of their own, then to the deeper parent, then to more activation bytes.
-    """
-    best: tuple | None = None
-    best_fqns: list[str] = []
-    for n in tree.nodes:
-        if not n.children:
-            continue
-        by_type: dict[str, list[int]] = {}
-        for c in n.children:
-            by_type.setdefault(tree.nodes[c].stats.module_type, []).append(c)
-        for _t, idx in by_type.items():
-            kids = [tree.nodes[i] for i in idx]
-            score = (
-                len(kids),
-                all(not k.is_leaf for k in kids),
-                n.depth,  # a stage's blocks over the root's stages (a CNN's ``layers`` vs ``stem``)
-                sum(sum(k.stats.act_bytes) for k in kids),
-            )
-            if best is None or score > best:
-                best, best_fqns = score, [k.fqn for k in kids]
-    return best_fqns
+    """The repeated blocks (:func:`sacplan.blocks.repeated_blocks`): what the hand-written baselines checkpoint."""
+    return list(repeated_blocks(tree.stats))
 
 
 # ------------------------------------------------------------------------------------------ plans

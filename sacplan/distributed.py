@@ -50,6 +50,7 @@ from torch import nn
 
 from sacplan.errors import ConfigError
 from sacplan.fingerprint import canonical_names, model_fingerprint
+from sacplan.blocks import repeated_blocks
 from sacplan.stats import MemoryEvent, ModelStats, ModuleStats
 
 __all__ = ["shard_stats", "check_units", "each_block_units", "UnitShard"]
@@ -105,22 +106,8 @@ def _inside(fqn: str, unit: str) -> bool:
 
 
 def each_block_units(stats: ModelStats) -> list[str]:
-    """The repeated blocks (children of the module with most same-type children) plus the root ``""``."""
-    kids: dict[str, list[ModuleStats]] = {}
-    for m in stats.modules:
-        if m.parent is not None:
-            kids.setdefault(m.parent, []).append(m)
-    best: list[str] = []
-    for _parent, ch in kids.items():
-        by_type: dict[str, list[str]] = {}
-        for c in ch:
-            by_type.setdefault(c.module_type, []).append(c.fqn)
-        for fqns in by_type.values():
-            if len(fqns) > len(best):
-                best = fqns
-    if len(best) < 2:
-        best = []
-    return [""] + best
+    """The repeated blocks (:func:`sacplan.blocks.repeated_blocks`) plus the root ``""``."""
+    return [""] + list(repeated_blocks(stats))
 
 
 def _resolve_units(stats: ModelStats, fsdp_units: UnitSpec) -> list[str]:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from sacplan.errors import BudgetWarning, InfeasibleBudgetError
+from sacplan.blocks import repeated_blocks as find_repeated
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB, parse_budget
 
@@ -134,46 +134,9 @@ class SweepResult:
         }
 
 
-_CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
-
-
 def repeated_blocks(tree: ModuleTree) -> tuple[str, ...]:
-    """The model's repeated blocks (e.g. transformer layers).
-
-    The non-leaf children of the module with the most children of one type (at least two; ties prefer a
-    type that is not a plain container such as ``Sequential``, then the deeper parent); failing that, the
-    outermost nodes whose ``module_type`` is the most common non-leaf type. Empty when there is none.
-    """
-    best: tuple[tuple[int, bool, int], list[str]] = ((1, False, 0), [])  # ((count, not container, depth), fqns)
-    for node in tree:
-        counts: Counter[str] = Counter()
-        members: dict[str, list[str]] = {}
-        for c in node.children:
-            child = _node_at(tree, c)
-            if child.is_leaf:
-                continue
-            t = child.stats.module_type
-            counts[t] += 1
-            members.setdefault(t, []).append(child.fqn)
-        for t, n in counts.items():
-            key = (n, t not in _CONTAINERS, node.depth)
-            if key > best[0]:
-                best = (key, members[t])
-    if best[1]:
-        return tuple(best[1])
-    types = Counter(n.stats.module_type for n in tree if not n.is_leaf and n.parent is not None)
-    if not types:
-        return ()
-    common, n = types.most_common(1)[0]
-    if n < 2:
-        return ()
-    chosen = [x for x in tree if not x.is_leaf and x.parent is not None and x.stats.module_type == common]
-    outer = [x for x in chosen if not any(o.is_ancestor_of(x) for o in chosen)]
-    return tuple(x.fqn for x in outer)
-
-
-def _node_at(tree: ModuleTree, index: int) -> Any:
-    return tree.node(tree.fqns[index])
+    """The model's repeated blocks (e.g. transformer layers): :func:`sacplan.blocks.repeated_blocks`."""
+    return find_repeated(tree.stats)
 
 
 def full_ac_point(
