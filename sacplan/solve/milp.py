@@ -30,6 +30,7 @@ from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import ModuleDecision, Plan
 from sacplan.solve.backends import (
     INFEASIBLE,
+    OPTIMAL,
     TIME_LIMIT,
     MilpModel,
     SolveResult,
@@ -385,6 +386,17 @@ class SacProblem:
         return self.exact and all(
             c.recompute_ms <= 0.0 or ((o := self.options(c.slot)) is not None and o.complete) for c in self.candidates
         )  # a module that costs nothing to recompute is priced exactly by any line: 0
+
+    def options_slack_ms(self) -> float:
+        """Recompute ms the options may overprice because the time budget ran out while they were built
+        (:attr:`~sacplan.solve.ops.ModuleOptions.slack_frac`, over all calls of every candidate): the MILP's
+        bound minus this bounds every plan over the exact options. 0.0 when none was cut short."""
+        total = 0.0
+        for c in self.candidates:
+            o = self.options(c.slot)
+            if o is not None:
+                total += c.calls * c.recompute_ms * o.slack_frac
+        return float(total)
 
     def snap(self, y: Sequence[float], r: Sequence[float]) -> np.ndarray:
         """Ratios raised to the cheapest option discarding at least as much (exact candidates only)."""
@@ -1473,6 +1485,12 @@ def _solve(
             # stopped before the search had its own bound: the root LP relaxation bounds every plan
             bound = min(objective, lp_bound)
             gap = relative_gap(objective, bound)
+        slack = problem.options_slack_ms()
+        if slack > 0:  # options built past the time budget: bound the exact options' plans too, not proven
+            meta["options_slack_ms"] = slack
+            bound = bound - slack
+            gap = relative_gap(objective, bound)
+            status = TIME_LIMIT if status == OPTIMAL else status
     r_fixed = problem.repair(y, r, float(budget_bytes))
     if r_fixed is None:
         mf, y_mp, r_mp, _, _ = _min_peak(problem, solver, threads)
