@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solve import limits
 from sacplan.solve.backends import OPTIMAL, MilpModel, solve_model
@@ -272,6 +274,58 @@ def _knapsack(
     return _result(ops, saved, stop, True), slack
 
 
+class _Greedy:
+    """The greedy fill of :func:`_knapsack` (``milp=False``) at many capacities over one module's split: the
+    density order and per-op arrays are built once, each capacity then costs a few vector operations (a stage
+    of 32 decoder blocks is sampled at ~1000 ratios)."""
+
+    def __init__(self, ops: tuple[OpStat, ...], always: Sequence[_Group], free: Sequence[_Group], stop: int) -> None:
+        order = sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
+        self.free = [free[i] for i in order]
+        self.bytes = np.array([g.bytes for g in self.free], dtype=np.int64)
+        self.ms = np.array([g.ms for g in self.free], dtype=float)
+        self.used = sum(g.bytes for g in always)
+        n = len(ops)
+        self.group = np.full(n, -1, dtype=np.int64)  # position -> its free group's rank in density order
+        for k, g in enumerate(self.free):
+            self.group[list(g.members)] = k
+        self.always = np.zeros(n, dtype=bool)
+        for g in always:
+            self.always[list(g.members)] = True
+        self.index = np.array([op.index for op in ops], dtype=np.int64)
+        self.runtime = np.array([float(op.runtime_ms) for op in ops], dtype=float)
+        self.flops = [int(op.flops) for op in ops]
+        self.before_stop = self.index < stop
+
+    def __call__(self, cap: int) -> tuple[OpSelection, float]:
+        """``(selection, slack_ms)`` as :func:`_knapsack` returns them with ``milp=False``."""
+        if self.used > cap:
+            raise InfeasibleBudgetError(
+                cap, self.used, "(op level: the in-place/random ops that must be saved hold more than max_saved_bytes)"
+            )
+        room = cap - self.used
+        fits = np.nonzero(self.bytes <= room)[0]  # the knapsack's items, in density order
+        cum = np.cumsum(self.bytes[fits])
+        k = int(np.searchsorted(cum, room, side="right"))  # items fit in turn until the first one that does not
+        take = np.zeros(len(self.free) + 1, dtype=bool)
+        take[fits[:k]] = True
+        left = room - (int(cum[k - 1]) if k else 0)
+        slack = 0.0
+        if k < len(fits) and left > 0:
+            nxt = int(fits[k])
+            slack = left * float(self.ms[nxt]) / float(self.bytes[nxt])
+        saved = self.always | take[self.group]  # group -1 (not free) reads the last entry: False
+        rec = ~saved & self.before_stop
+        sel = OpSelection(
+            saved=tuple(sorted(self.index[saved].tolist())),
+            saved_bytes=int(self.used + int(self.bytes[take[:-1]].sum())),
+            recompute_ms=math.fsum(self.runtime[rec].tolist()),
+            recompute_flops=sum(f for f, r in zip(self.flops, rec.tolist()) if r),
+            solved=False,
+        )
+        return sel, slack
+
+
 def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
     """``floor(A · (1 - r))`` with the ratio clipped to [0, 1]."""
     r = min(1.0, max(0.0, float(discard_ratio)))
@@ -407,10 +461,13 @@ def module_options(
                 sels.append(_result(ops, saved, stop, False))
         else:  # a large module (a stage of many blocks): exact knapsacks at the sampled ratios only
             complete = False
+            fill = _Greedy(ops, saved_groups, free, stop)
             for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
                 cap = max(0, min(A, int(round(A * (1.0 - r)))))
-                try:  # past the time budget a fractional knapsack keeps its greedy fill (valid, within slack_ms)
-                    sel, sl = _knapsack(ops, saved_groups, free, cap, solver, stop, milp=not limits.expired())
+                try:
+                    sel, sl = fill(cap)
+                    if sl > 0 and not limits.expired():  # fractional: the exact knapsack (past the time budget
+                        sel, sl = _knapsack(ops, saved_groups, free, cap, solver, stop)  # the fill, within sl)
                 except InfeasibleBudgetError:
                     continue
                 sels.append(sel)
