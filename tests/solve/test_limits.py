@@ -223,3 +223,32 @@ def test_on_interrupt_incumbent_returns_the_best_plan_so_far(monkeypatch):
     assert plan.bound_ms <= plan.objective_ms and plan.gap >= 0
     with pytest.raises(ConfigError, match="on_interrupt"):
         solve(tree, budget, on_interrupt="ignore")
+
+
+def test_options_cut_short_by_the_deadline_lower_the_bound_and_say_time_limit(monkeypatch):
+    import dataclasses
+    import importlib
+
+    from sacplan.solve import SacProblem
+
+    milp_mod = importlib.import_module("sacplan.solve.milp")
+    tree = llama_tree(4)
+    budget = int(baseline_peak(tree) * 0.7)
+    exact = solve(tree, budget)
+    assert exact.status == "optimal" and "options_slack_ms" not in exact.meta
+    real = milp_mod.module_options
+
+    def hurried(*a, **k):  # as if every option's knapsack had been left at a greedy fill within 1% of R
+        return dataclasses.replace(real(*a, **k), slack_frac=0.01)
+
+    monkeypatch.setattr(milp_mod, "module_options", hurried)
+    problem = SacProblem(tree, exact=True)
+    slack = sum(c.calls * c.recompute_ms * 0.01 for c in problem.candidates if problem.options(c.slot) is not None)
+    assert slack > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TimeLimitWarning)
+        plan = solve(tree, budget)
+    assert plan.status == "time_limit" and plan.meta["options_slack_ms"] == pytest.approx(slack)
+    assert plan.objective_ms == pytest.approx(exact.objective_ms)  # same options, same plan
+    assert plan.bound_ms == pytest.approx(exact.bound_ms - slack)
+    assert plan.gap == pytest.approx((plan.objective_ms - plan.bound_ms) / plan.objective_ms)
