@@ -40,7 +40,15 @@ from sacplan.solve.backends import (
     prove_by_lp_branching,
     solve_model,
 )
-from sacplan.solve.limits import DEFAULT_SOLVE_S, SolveInterrupted, check_time_limit, deadline, lifted, time_limit_message
+from sacplan.solve import limits
+from sacplan.solve.limits import (
+    DEFAULT_SOLVE_S,
+    SolveInterrupted,
+    check_time_limit,
+    deadline,
+    lifted,
+    time_limit_message,
+)
 from sacplan.stats import ModuleStats
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
@@ -838,12 +846,13 @@ class SacProblem:
         if self.num_candidates == 0:
             return None, None
         solver = _lp_solver(solver)
+        left = limits.remaining()  # what the call's budget has left for the local descent after the first plan
         with lifted():  # LPs only: the first plan comes even from a spent time budget
-            return self._heuristic(model, idx, budget, solver, threads, time_limit_s)
+            return self._heuristic(model, idx, budget, solver, threads, time_limit_s, left)
 
     def _heuristic(
         self, model: MilpModel, idx: _Index, budget: float, solver: str, threads: int | None,
-        time_limit_s: float | None,
+        time_limit_s: float | None, left: float | None = None,
     ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
         lp = _relaxed(model)
         res = solve_model(lp, solver, threads=threads)
@@ -877,6 +886,7 @@ class SacProblem:
             return None, lp_bound
         if self.exact:
             limit = 2.0 if time_limit_s is None else min(2.0, 0.25 * time_limit_s)
+            limit = limit if left is None else min(limit, 0.25 * left)
             return self.improve(best[1], best[2], budget, time_limit_s=limit), lp_bound
         return (best[1], best[2]), lp_bound
 
