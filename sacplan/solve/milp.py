@@ -1230,7 +1230,8 @@ def recompute_lower_bound(
     :func:`~sacplan.solve.ops.fractional_lines`: below every achievable option), and the resulting convex
     MILP is solved; its proven lower bound is returned. Comparing a plan's ``recompute_ms`` with this tells
     how far from the best possible plan it can at most be, e.g. whether a target ("a third of full
-    checkpointing") is reachable at all. 0.0 when no checkpointing is needed.
+    checkpointing") is reachable at all. 0.0 when no checkpointing is needed. Stopped by ``time_limit_s`` before
+    the search has a bound of its own, the bound of the MILP's LP relaxation is returned (weaker, still valid).
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
@@ -1262,8 +1263,14 @@ def _recompute_lower_bound(
                       priorities={k: 1 for k in idx.K} or None, options=["preprocess off"])  # see _solve_budget_model
     if res.status == INFEASIBLE:
         raise infeasible()
-    if not math.isfinite(res.bound):
-        raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
+    if not math.isfinite(res.bound):  # stopped before its root bound: the LP relaxation's, weaker but valid
+        with lifted():  # one LP: a bound even from a spent budget
+            lp = solve_model(_relaxed(model), _lp_solver(solver), threads=threads)
+        if lp.status == INFEASIBLE:
+            raise infeasible()
+        if lp.status != OPTIMAL:
+            raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
+        return max(0.0, float(lp.objective))
     return max(0.0, float(res.bound))
 
 

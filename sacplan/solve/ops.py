@@ -294,7 +294,9 @@ class _Greedy:
             self.always[list(g.members)] = True
         self.index = np.array([op.index for op in ops], dtype=np.int64)
         self.runtime = np.array([float(op.runtime_ms) for op in ops], dtype=float)
-        self.flops = [int(op.flops) for op in ops]
+        flops = [int(op.flops) for op in ops]
+        # int64 sums when no sum can overflow (a 7B stage: ~1e17 FLOPs), else Python ints
+        self.flops: np.ndarray | list[int] = np.array(flops, dtype=np.int64) if sum(map(abs, flops)) < 2**62 else flops
         self.before_stop = self.index < stop
 
     def __call__(self, cap: int) -> tuple[OpSelection, float]:
@@ -320,7 +322,8 @@ class _Greedy:
             saved=tuple(sorted(self.index[saved].tolist())),
             saved_bytes=int(self.used + int(self.bytes[take[:-1]].sum())),
             recompute_ms=math.fsum(self.runtime[rec].tolist()),
-            recompute_flops=sum(f for f, r in zip(self.flops, rec.tolist()) if r),
+            recompute_flops=(int(self.flops[rec].sum()) if isinstance(self.flops, np.ndarray)
+                             else sum(f for f, r in zip(self.flops, rec.tolist()) if r)),
             solved=False,
         )
         return sel, slack

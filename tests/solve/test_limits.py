@@ -269,3 +269,24 @@ def test_a_tiny_limit_still_returns_a_plan_when_no_rounding_of_the_lp_fits(monke
         plan = solve(tree, budget, time_limit_s=1e-3, op_level=False)
     assert plan.meta["heuristic_ms"] is not None  # the warm start the search began from
     assert plan.status == "time_limit" and plan.decisions and plan.predicted_peak_bytes <= budget
+
+
+def test_a_lower_bound_stopped_before_its_root_bound_is_the_lp_relaxations(monkeypatch):
+    import importlib
+
+    from sacplan.solve.backends import SolveResult
+
+    milp_mod = importlib.import_module("sacplan.solve.milp")
+    tree = llama_tree(8)
+    budget = int(baseline_peak(tree) * 0.6)
+    proven = recompute_lower_bound(tree, budget)
+    real = milp_mod.solve_model
+
+    def no_root_bound(model, solver, **kw):  # the MILP stopped at its limit before its root bound (GPT-2 XL, 0.5 s)
+        if any(model.col_int):
+            return SolveResult("time_limit", None, math.inf, -math.inf, math.inf, 0.5, solver, "time limit")
+        return real(model, solver, **kw)
+
+    monkeypatch.setattr(milp_mod, "solve_model", no_root_bound)
+    weak = recompute_lower_bound(tree, budget, time_limit_s=0.5)
+    assert 0 < weak <= proven + 1e-9  # valid: below the proven bound, and not the trivial 0
