@@ -69,7 +69,9 @@ def test_nested_deadlines_take_the_earlier_end():
 def test_defaults_bound_every_call():
     import inspect
 
-    for fn in (solve, min_feasible_budget, recompute_lower_bound, sac_milp):
+    from sacplan.enable import fit_to_budget
+
+    for fn in (solve, min_feasible_budget, recompute_lower_bound, sac_milp, fit_to_budget):
         assert inspect.signature(fn).parameters["time_limit_s"].default == limits.DEFAULT_SOLVE_S
     assert inspect.signature(sweep).parameters["time_limit_s"].default == limits.DEFAULT_SWEEP_S
     assert inspect.signature(certify).parameters["time_limit_s"].default == limits.DEFAULT_CERTIFY_S
