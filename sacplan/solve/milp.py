@@ -403,7 +403,8 @@ class SacProblem:
     def options_slack_ms(self) -> float:
         """Recompute ms the options may overprice because the time budget ran out while they were built
         (:attr:`~sacplan.solve.ops.ModuleOptions.slack_frac`, over all calls of every candidate): the MILP's
-        bound minus this bounds every plan over the exact options. 0.0 when none was cut short."""
+        bound minus this also bounds the plans over exact knapsacks at the same ratios. 0.0 when none was cut
+        short."""
         total = 0.0
         for c in self.candidates:
             o = self.options(c.slot)
