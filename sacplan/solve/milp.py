@@ -1537,6 +1537,9 @@ def _solve(
     # a checkpoint that discards nothing only adds its recompute transient: drop it (every event falls or stays)
     y = np.where(r <= 1e-12, 0.0, y)
     r = r * y
+    if status == TIME_LIMIT and math.isfinite(objective):  # unproven: state what the plan returned costs (a repair
+        objective = max(objective, problem.cost(y, r))  # above may have raised it past the solver's objective)
+        gap = relative_gap(objective, bound)
     if not problem.nesting_ok(y):  # pragma: no cover - guaranteed by the constraints
         raise SolverError("internal error: the solver returned nested checkpoint units")
     meta["model_recompute_ms"] = problem.cost(y, r)
@@ -1624,6 +1627,10 @@ def _solve_budget_model(
         y, r = problem.decision_from(idx, res.x)
         if math.ceil(problem.peak(y, problem.snap(y, r)) - 1e-6) <= budget:
             return res, cuts, proven is not None
+        if limits.expired():  # no time for another round: :func:`_solve` repairs the few bytes over, unproven
+            if res.status == OPTIMAL:
+                res = dataclasses.replace(res, status=TIME_LIMIT)
+            return res, cuts, False
         ones = [j for j in binaries if res.x[j] > 0.5]
         zeros = [j for j in binaries if res.x[j] <= 0.5]
         model.add_row(f"cut{cuts}", zeros + ones, [1.0] * len(zeros) + [-1.0] * len(ones), lb=1.0 - len(ones))
