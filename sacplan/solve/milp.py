@@ -860,6 +860,7 @@ class SacProblem:
         self, model: MilpModel, idx: _Index, budget: float, solver: str, threads: int | None,
         time_limit_s: float | None, left: float | None = None,
     ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
+        t0 = time.perf_counter()
         lp = _relaxed(model)
         res = solve_model(lp, solver, threads=threads)
         if res.x is None:
@@ -872,6 +873,8 @@ class SacProblem:
         def units() -> Iterator[np.ndarray]:
             # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
             for thr in (1e-6, 0.25, 0.5, 0.75):
+                if best is not None and left is not None and time.perf_counter() - t0 >= left:
+                    return  # a plan in hand and the call's budget spent: no more LPs over the whole model
                 yield self._unnest((yl > thr).astype(float), yl)
             if best is None:  # none fits (the LP spread y over nested chains): the units of a min-peak plan
                 try:  # a first plan is worth a short overrun of a tiny limit (like the LPs above)
@@ -900,7 +903,7 @@ class SacProblem:
         if best is None:
             return None, lp_bound
         if self.exact:
-            limit = quick if left is None else min(quick, 0.25 * left)
+            limit = quick if left is None else min(quick, 0.25 * max(0.0, left - (time.perf_counter() - t0)))
             return self.improve(best[1], best[2], budget, time_limit_s=limit), lp_bound
         return (best[1], best[2]), lp_bound
 
