@@ -22,6 +22,7 @@ from sacplan.devices import DeviceSpec
 from sacplan.errors import ConfigError
 from sacplan.plan import ModuleDecision, Plan
 from sacplan.solve import solve
+from sacplan.solve.limits import DEFAULT_SOLVE_S
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB
 
@@ -42,7 +43,7 @@ def fit_to_budget(
     fsdp_units: Any = "each block",
     ddp: bool = False,
     solver: str = "auto",
-    time_limit_s: float | None = None,
+    time_limit_s: float | None = DEFAULT_SOLVE_S,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
@@ -64,7 +65,8 @@ def fit_to_budget(
             lists them) or a :class:`~sacplan.devices.DeviceSpec` (``DeviceSpec.from_current_cuda()``).
         loss_fn, optimizer, train_step, dtype, world_size, fsdp_units, ddp, model_name, progress: passed
             to :func:`sacplan.collect.collect` unchanged (``loss_fn`` default: the sum of the output).
-        solver, time_limit_s: passed to :func:`sacplan.solve.solve`.
+        solver, time_limit_s: passed to :func:`sacplan.solve.solve` (``time_limit_s``: seconds, default 60 as
+            there; None: no limit); stopped there, the best plan found is applied, its gap in ``plan.gap``.
 
     Returns:
         The applied plan; an empty plan (``plan.decisions == ()``) when the model fits without checkpointing.

@@ -21,7 +21,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import ModuleDecision, Plan
 from sacplan.solve.backends import (
     INFEASIBLE,
+    OPTIMAL,
     TIME_LIMIT,
     MilpModel,
     SolveResult,
@@ -39,7 +40,15 @@ from sacplan.solve.backends import (
     prove_by_lp_branching,
     solve_model,
 )
-from sacplan.solve.limits import DEFAULT_SOLVE_S, SolveInterrupted, check_time_limit, deadline, lifted, time_limit_message
+from sacplan.solve import limits
+from sacplan.solve.limits import (
+    DEFAULT_SOLVE_S,
+    SolveInterrupted,
+    check_time_limit,
+    deadline,
+    lifted,
+    time_limit_message,
+)
 from sacplan.stats import ModuleStats
 from sacplan.tradeoff import recompute_surge
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
@@ -50,6 +59,11 @@ GiB = float(2**30)
 
 _PHASES = {"fw": 0, "bw": 1, "rc": 2, "other": 3}
 FW, BW, RC, OTHER = 0, 1, 2, 3
+
+
+#: Seconds the heuristic may spend on a min-peak MILP for its first plan when its roundings all fail, even when
+#: a quarter of the time limit is less (BERT-large: 0.15 s)
+_FIRST_PLAN_S = 0.5
 
 
 class TimeLimitWarning(UserWarning):
@@ -403,6 +417,18 @@ class SacProblem:
         return self.exact and all(
             c.recompute_ms <= 0.0 or ((o := self.options(c.slot)) is not None and o.complete) for c in self.candidates
         )  # a module that costs nothing to recompute is priced exactly by any line: 0
+
+    def options_slack_ms(self) -> float:
+        """Recompute ms the options may overprice because the time budget ran out while they were built
+        (:attr:`~sacplan.solve.ops.ModuleOptions.slack_frac`, over all calls of every candidate): the MILP's
+        bound minus this also bounds the plans over exact knapsacks at the same ratios. 0.0 when none was cut
+        short."""
+        total = 0.0
+        for c in self.candidates:
+            o = self.options(c.slot)
+            if o is not None:
+                total += c.calls * c.recompute_ms * o.slack_frac
+        return float(total)
 
     def snap(self, y: Sequence[float], r: Sequence[float]) -> np.ndarray:
         """Ratios raised to the cheapest option discarding at least as much (exact candidates only)."""
@@ -866,13 +892,15 @@ class SacProblem:
         if self.num_candidates == 0:
             return None, None
         solver = _lp_solver(solver)
+        left = limits.remaining()  # what the call's budget has left for the local descent after the first plan
         with lifted():  # LPs only: the first plan comes even from a spent time budget
-            return self._heuristic(model, idx, budget, solver, threads, time_limit_s)
+            return self._heuristic(model, idx, budget, solver, threads, time_limit_s, left)
 
     def _heuristic(
         self, model: MilpModel, idx: _Index, budget: float, solver: str, threads: int | None,
-        time_limit_s: float | None,
+        time_limit_s: float | None, left: float | None = None,
     ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
+        t0 = time.perf_counter()
         lp = _relaxed(model)
         res = solve_model(lp, solver, threads=threads)
         if res.x is None:
@@ -880,10 +908,21 @@ class SacProblem:
         lp_bound = res.objective
         yl = np.array([res.x[j] for j in idx.y])
         best: tuple[float, np.ndarray, np.ndarray] | None = None
-        # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
-        for thr in (1e-6, 0.25, 0.5, 0.75):
-            y = (yl > thr).astype(float)
-            y = self._unnest(y, yl)
+        quick = 2.0 if time_limit_s is None else min(2.0, 0.25 * time_limit_s)
+
+        def units() -> Iterator[np.ndarray]:
+            # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
+            for thr in (1e-6, 0.25, 0.5, 0.75):
+                if best is not None and left is not None and time.perf_counter() - t0 >= left:
+                    return  # a plan in hand and the call's budget spent: no more LPs over the whole model
+                yield self._unnest((yl > thr).astype(float), yl)
+            if best is None:  # none fits (the LP spread y over nested chains): the units of a min-peak plan
+                try:  # a first plan is worth a short overrun of a tiny limit (like the LPs above)
+                    yield _min_peak(self, solver, threads, time_limit_s=min(2.0, max(quick, _FIRST_PLAN_S)))[1]
+                except SolverError:
+                    return
+
+        for y in units():
             if not y.any():
                 continue
             fixed = _fix_y(model, idx, y)
@@ -904,7 +943,7 @@ class SacProblem:
         if best is None:
             return None, lp_bound
         if self.exact:
-            limit = 2.0 if time_limit_s is None else min(2.0, 0.25 * time_limit_s)
+            limit = quick if left is None else min(quick, 0.25 * max(0.0, left - (time.perf_counter() - t0)))
             return self.improve(best[1], best[2], budget, time_limit_s=limit), lp_bound
         return (best[1], best[2]), lp_bound
 
@@ -1076,7 +1115,8 @@ class SacProblem:
         return y, r
 
     def _unnest(self, y: np.ndarray, score: np.ndarray) -> np.ndarray:
-        """Keep, along every candidate chain, only nodes no chosen ancestor covers (highest score wins)."""
+        """Keep, along every candidate chain, only the outermost flagged node (its flagged descendants are
+        dropped; ``score`` only orders the walk)."""
         y = y.copy()
         order = sorted(range(self.num_candidates), key=lambda s: (-score[s], s))
         for s in order:
@@ -1239,7 +1279,8 @@ def recompute_lower_bound(
     :func:`~sacplan.solve.ops.fractional_lines`: below every achievable option), and the resulting convex
     MILP is solved; its proven lower bound is returned. Comparing a plan's ``recompute_ms`` with this tells
     how far from the best possible plan it can at most be, e.g. whether a target ("a third of full
-    checkpointing") is reachable at all. 0.0 when no checkpointing is needed.
+    checkpointing") is reachable at all. 0.0 when no checkpointing is needed. Stopped by ``time_limit_s`` before
+    the search has a bound of its own, the bound of the MILP's LP relaxation is returned (weaker, still valid).
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
@@ -1271,8 +1312,14 @@ def _recompute_lower_bound(
                       priorities={k: 1 for k in idx.K} or None, options=["preprocess off"])  # see _solve_budget_model
     if res.status == INFEASIBLE:
         raise infeasible()
-    if not math.isfinite(res.bound):
-        raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
+    if not math.isfinite(res.bound):  # stopped before its root bound: the LP relaxation's, weaker but valid
+        with lifted():  # one LP: a bound even from a spent budget
+            lp = solve_model(_relaxed(model), _lp_solver(solver), threads=threads)
+        if lp.status == INFEASIBLE:
+            raise infeasible()
+        if lp.status != OPTIMAL:
+            raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
+        return max(0.0, float(lp.objective))
     return max(0.0, float(res.bound))
 
 
@@ -1518,6 +1565,12 @@ def _solve(
             # stopped before the search had its own bound: the root LP relaxation bounds every plan
             bound = min(objective, lp_bound)
             gap = relative_gap(objective, bound)
+        slack = problem.options_slack_ms()
+        if slack > 0:  # options built past the time budget: bound the exact options' plans too, not proven
+            meta["options_slack_ms"] = slack
+            bound = bound - slack
+            gap = relative_gap(objective, bound)
+            status = TIME_LIMIT if status == OPTIMAL else status
     r_fixed = problem.repair(y, r, float(budget_bytes))
     if r_fixed is None:
         mf, y_mp, r_mp, _, _ = _min_peak(problem, solver, threads)
@@ -1532,6 +1585,9 @@ def _solve(
     # a checkpoint that discards nothing only adds its recompute transient: drop it (every event falls or stays)
     y = np.where(r <= 1e-12, 0.0, y)
     r = r * y
+    if status == TIME_LIMIT and math.isfinite(objective):  # unproven: state what the plan returned costs (a repair
+        objective = max(objective, problem.cost(y, r))  # above may have raised it past the solver's objective)
+        gap = relative_gap(objective, bound)
     if not problem.nesting_ok(y):  # pragma: no cover - guaranteed by the constraints
         raise SolverError("internal error: the solver returned nested checkpoint units")
     meta["model_recompute_ms"] = problem.cost(y, r)
@@ -1619,6 +1675,10 @@ def _solve_budget_model(
         y, r = problem.decision_from(idx, res.x)
         if math.ceil(problem.peak(y, problem.snap(y, r)) - 1e-6) <= budget:
             return res, cuts, proven is not None
+        if limits.expired():  # no time for another round: :func:`_solve` repairs the few bytes over, unproven
+            if res.status == OPTIMAL:
+                res = dataclasses.replace(res, status=TIME_LIMIT)
+            return res, cuts, False
         ones = [j for j in binaries if res.x[j] > 0.5]
         zeros = [j for j in binaries if res.x[j] <= 0.5]
         model.add_row(f"cut{cuts}", zeros + ones, [1.0] * len(zeros) + [-1.0] * len(ones), lb=1.0 - len(ones))

@@ -28,7 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from sacplan.errors import ConfigError, InfeasibleBudgetError
+from sacplan.solve import limits
 from sacplan.solve.backends import OPTIMAL, MilpModel, solve_model
 from sacplan.stats import OpStat
 
@@ -156,7 +159,7 @@ def _result(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: bool)
     return OpSelection(
         saved=saved,
         saved_bytes=sb,
-        recompute_ms=float(sum(op.runtime_ms for op in rec)),
+        recompute_ms=math.fsum(op.runtime_ms for op in rec),
         recompute_flops=int(sum(op.flops for op in rec)),
         solved=solved,
     )
@@ -201,6 +204,18 @@ def select_ops(
 
 def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver: str, stop: int) -> OpSelection:
     always, free, _ = _split(ops, force_store_random, stop)
+    return _knapsack(ops, always, free, cap, solver, stop)[0]
+
+
+def _knapsack(
+    ops: tuple[OpStat, ...], always: Sequence[_Group], free: Sequence[_Group], cap: int, solver: str, stop: int,
+    milp: bool = True,
+) -> tuple[OpSelection, float]:
+    """The 0/1 knapsack of :func:`select_ops` over groups already split by :func:`_split`.
+
+    Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (``milp=False``
+    and the greedy fill was fractional) the ms per call the knapsack's LP relaxation saves beyond the greedy
+    fill returned — no save list under ``cap`` recomputes less than ``selection.recompute_ms - slack_ms``."""
     saved = {p for g in always for p in g.members}
     used = sum(g.bytes for g in always)
     if used > cap:
@@ -212,24 +227,28 @@ def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver:
     room = cap - used
     cand = [g for g in free if g.bytes <= room]
     if not cand:
-        return _result(ops, saved, stop, False)
-    # LP relaxation of the knapsack: take groups by ms per byte; integral => optimal.
+        return _result(ops, saved, stop, False), 0.0
+    # LP relaxation of the knapsack: take groups by ms per byte; integral => optimal. A fill that uses the room
+    # exactly is integral too (the next group's fraction is 0): the trade-off's greedy vertices are such fills,
+    # so module_options needs no MILP for them (Mistral-7B's decoder stack: 989 of its 991 sampled ratios).
     order = sorted(range(len(cand)), key=lambda i: (-cand[i].ms / cand[i].bytes, cand[i].bytes, i))
     left = room
     take: list[int] = []
     fractional = False
+    slack = 0.0
     for i in order:
         g = cand[i]
         if g.bytes <= left:
             take.append(i)
             left -= g.bytes
         else:
-            fractional = True
+            fractional = left > 0
+            slack = left * g.ms / g.bytes
             break
-    if not fractional:
+    if not fractional or not milp:
         for i in take:
             saved.update(cand[i].members)
-        return _result(ops, saved, stop, False)
+        return _result(ops, saved, stop, False), (slack if fractional else 0.0)
     # Exact 0/1 knapsack by MILP; the greedy fill is a feasible warm start.
     model = MilpModel(name="sacplan_ops")
     # Scale bytes to the budget so coefficients are O(1); maximise saved ms == minimise -saved ms.
@@ -240,16 +259,74 @@ def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver:
     for i in take:
         warm[i] = 1.0
     res = solve_model(model, solver, gap_rel=0.0, gap_abs=1e-9, warm_start=warm)
-    if res.status != OPTIMAL or res.x is None:  # pragma: no cover - a knapsack always has x = 0
+    if res.status != OPTIMAL or res.x is None:  # the time budget ran out (limits.deadline): the greedy fill
         chosen = take
+        if math.isfinite(res.bound):  # the solver's bound on saved ms, when tighter than the LP's
+            slack = max(0.0, min(slack, -res.bound - sum(cand[i].ms for i in take)))
     else:
+        slack = 0.0
         chosen = [i for i, v in enumerate(res.x) if v > 0.5]
         # Guard the byte budget exactly (the solver works in scaled floats).
         if sum(cand[i].bytes for i in chosen) > room:
             chosen = take
     for i in chosen:
         saved.update(cand[i].members)
-    return _result(ops, saved, stop, True)
+    return _result(ops, saved, stop, True), slack
+
+
+class _Greedy:
+    """The greedy fill of :func:`_knapsack` (``milp=False``) at many capacities over one module's split: the
+    density order and per-op arrays are built once, each capacity then costs a few vector operations (a stage
+    of 32 decoder blocks is sampled at ~1000 ratios)."""
+
+    def __init__(self, ops: tuple[OpStat, ...], always: Sequence[_Group], free: Sequence[_Group], stop: int) -> None:
+        order = sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
+        self.free = [free[i] for i in order]
+        self.bytes = np.array([g.bytes for g in self.free], dtype=np.int64)
+        self.ms = np.array([g.ms for g in self.free], dtype=float)
+        self.used = sum(g.bytes for g in always)
+        n = len(ops)
+        self.group = np.full(n, -1, dtype=np.int64)  # position -> its free group's rank in density order
+        for k, g in enumerate(self.free):
+            self.group[list(g.members)] = k
+        self.always = np.zeros(n, dtype=bool)
+        for g in always:
+            self.always[list(g.members)] = True
+        self.index = np.array([op.index for op in ops], dtype=np.int64)
+        self.runtime = np.array([float(op.runtime_ms) for op in ops], dtype=float)
+        flops = [int(op.flops) for op in ops]
+        # int64 sums when no sum can overflow (a 7B stage: ~1e17 FLOPs), else Python ints
+        self.flops: np.ndarray | list[int] = np.array(flops, dtype=np.int64) if sum(map(abs, flops)) < 2**62 else flops
+        self.before_stop = self.index < stop
+
+    def __call__(self, cap: int) -> tuple[OpSelection, float]:
+        """``(selection, slack_ms)`` as :func:`_knapsack` returns them with ``milp=False``."""
+        if self.used > cap:
+            raise InfeasibleBudgetError(
+                cap, self.used, "(op level: the in-place/random ops that must be saved hold more than max_saved_bytes)"
+            )
+        room = cap - self.used
+        fits = np.nonzero(self.bytes <= room)[0]  # the knapsack's items, in density order
+        cum = np.cumsum(self.bytes[fits])
+        k = int(np.searchsorted(cum, room, side="right"))  # items fit in turn until the first one that does not
+        take = np.zeros(len(self.free) + 1, dtype=bool)
+        take[fits[:k]] = True
+        left = room - (int(cum[k - 1]) if k else 0)
+        slack = 0.0
+        if k < len(fits) and left > 0:
+            nxt = int(fits[k])
+            slack = left * float(self.ms[nxt]) / float(self.bytes[nxt])
+        saved = self.always | take[self.group]  # group -1 (not free) reads the last entry: False
+        rec = ~saved & self.before_stop
+        sel = OpSelection(
+            saved=tuple(sorted(self.index[saved].tolist())),
+            saved_bytes=int(self.used + int(self.bytes[take[:-1]].sum())),
+            recompute_ms=math.fsum(self.runtime[rec].tolist()),
+            recompute_flops=(int(self.flops[rec].sum()) if isinstance(self.flops, np.ndarray)
+                             else sum(f for f, r in zip(self.flops, rec.tolist()) if r)),
+            solved=False,
+        )
+        return sel, slack
 
 
 def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
@@ -274,6 +351,9 @@ class ModuleOptions:
     frac: tuple[float, ...]
     selection: tuple[OpSelection | None, ...]
     complete: bool = False
+    #: 0 unless the time budget ran out while the options were built: then some option's save list is a greedy
+    #: fill, and an exact knapsack at its ratio might recompute up to this fraction of ``R`` less (per call)
+    slack_frac: float = 0.0
 
     @property
     def capacity(self) -> tuple[int | None, ...]:
@@ -365,6 +445,7 @@ def module_options(
     stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
     complete = True
     sels: list[OpSelection] = []
+    slacks: dict[OpSelection, float] = {}
     saved_groups, free, _ = _split(ops, False, stop)
     # The plain full checkpoint saves only what is forced (in-place writes to outside tensors) and recomputes
     # every other op before the stop, free ones included (as apply_plan does): its cost may exceed R.
@@ -383,11 +464,17 @@ def module_options(
                 sels.append(_result(ops, saved, stop, False))
         else:  # a large module (a stage of many blocks): exact knapsacks at the sampled ratios only
             complete = False
+            fill = _Greedy(ops, saved_groups, free, stop)
             for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
+                cap = max(0, min(A, int(round(A * (1.0 - r)))))
                 try:
-                    sels.append(select_ops(ops, max(0, min(A, int(round(A * (1.0 - r))))), solver=solver, recompute_stop=stop))
+                    sel, sl = fill(cap)
+                    if sl > 0 and not limits.expired():  # fractional: the exact knapsack (past the time budget
+                        sel, sl = _knapsack(ops, saved_groups, free, cap, solver, stop)  # the fill, within sl)
                 except InfeasibleBudgetError:
                     continue
+                sels.append(sel)
+                slacks[sel] = max(slacks.get(sel, 0.0), sl)
     for sel in sels:
         d = A - sel.saved_bytes
         if d >= 0:
@@ -406,11 +493,13 @@ def module_options(
     if max_options is not None and len(kept) > max(2, max_options):
         complete = False
         kept = [kept[k] for k in thin_front([(p[0], p[1]) for p in kept], max(2, max_options))]
+    slack = max([0.0] + [slacks.get(p[2], 0.0) for p in kept if p[2] is not None])
     return ModuleOptions(
         ratio=tuple(p[0] for p in kept),
         frac=tuple(p[1] for p in kept),
         selection=tuple(p[2] for p in kept),
         complete=complete,
+        slack_frac=min(1.0, slack / R) if R > 0 else 0.0,
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solve import ops as ops_mod
-from sacplan.solve import select_ops
+from sacplan.solve import limits, select_ops
 from sacplan.solve.ops import max_saved_bytes_for
 from sacplan.stats import OpStat
 
@@ -166,3 +166,54 @@ def test_memoised():
     assert a is b and len(ops_mod._CACHE) == n
     select_ops(ops, 124)
     assert len(ops_mod._CACHE) == n + 1
+
+
+MiB = 2**20
+
+
+def _stage():
+    """A module with more free op groups than the DP takes (``DP_MAX_GROUPS``): 150 ops of 1 MiB / 3 ms saved
+    first (3 ms per MiB), then 150 of 2 MiB / 2 ms. A = 450 MiB, R = 750 ms."""
+    ops = [op(i, 1 * MiB, 3.0) for i in range(150)] + [op(150 + i, 2 * MiB, 2.0) for i in range(150)]
+    assert len(ops) > ops_mod.DP_MAX_GROUPS
+    return ops, 450 * MiB, 750.0
+
+
+def _count_milps(monkeypatch):
+    calls = []
+    real = ops_mod.solve_model
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops_mod, "solve_model", counting)
+    return calls
+
+
+def test_sampled_options_at_exact_fills_need_no_milp(monkeypatch):
+    ops, A, R = _stage()
+    calls = _count_milps(monkeypatch)
+    # cap 100 MiB: the 100 first small ops fill it exactly -> optimal without a solver (issue 14: each of a
+    # 7B decoder stack's ~1000 sampled ratios used to cost a MILP)
+    opts = ops_mod.module_options(ops, A, R, [350 / 450], max_options=None)
+    assert calls == []
+    assert opts.ratio == pytest.approx((350 / 450, 1.0)) and opts.frac == pytest.approx((450 / 750, 1.0))
+    assert opts.slack_frac == 0.0 and not opts.complete
+
+
+def test_sampled_options_past_the_deadline_keep_the_greedy_fill_with_its_slack(monkeypatch):
+    ops, A, R = _stage()
+    calls = _count_milps(monkeypatch)
+    r = (450 - 151) / 450  # cap 151 MiB: 150 small ops (150 MiB) leave 1 MiB, too little for a 2 MiB op
+    exact = ops_mod.module_options(ops, A, R, [r], max_options=None)
+    assert len(calls) == 1 and exact.slack_frac == 0.0  # fractional fill: the exact knapsack
+    # by hand: saving every small op (450 ms of 750) is optimal: 149 small + 1 big saves 449 ms
+    assert exact.ratio == pytest.approx((300 / 450, 1.0)) and exact.frac == pytest.approx((300 / 750, 1.0))
+    calls.clear()
+    with limits.deadline(1e-9):  # spent: no MILP, the greedy fill, and what an LP could still save stated
+        hurried = ops_mod.module_options(ops, A, R, [r], max_options=None)
+    assert calls == []
+    assert hurried.ratio == exact.ratio and hurried.frac == exact.frac
+    # LP relaxation: the 1 MiB left holds half a big op, 1 ms: slack 1 ms of R = 750 ms
+    assert hurried.slack_frac == pytest.approx(1 / 750)
