@@ -680,7 +680,8 @@ def _branch_on_priorities(
         if best < INF:
             opts["objective_bound"] = best + max(gap_abs, 1e-9 * abs(best))
         try:
-            res = _solve_highs(sub, left(), gap_rel, gap_abs, threads, ws, feas_tol, opts)
+            with limits.within(best, min([best] + leaf_bounds + [b for _, _, b in stack])):
+                res = _solve_highs(sub, left(), gap_rel, gap_abs, threads, ws, feas_tol, opts)
         except limits.SolveInterrupted as e:
             leaf = e.result
             if leaf is not None and leaf.x is not None and leaf.objective < best:

@@ -34,6 +34,8 @@ MIN_SLICE_S = 0.01
 _END: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_deadline", default=None)
 _STREAM: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("sacplan_progress", default=None)
 _T0: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_progress_t0", default=None)
+#: (incumbent, bound) of the search around a sub-problem being solved (ms): what progress lines combine with
+_OUTER: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("sacplan_outer", default=None)
 _LAST = [0.0]
 
 
@@ -111,13 +113,28 @@ def progress_to(stream: TextIO | None) -> Iterator[None]:
         _STREAM.reset(tok)
 
 
+@contextmanager
+def within(incumbent: float, bound: float) -> Iterator[None]:
+    """Progress reported inside this block is of a sub-problem of a search whose best plan costs ``incumbent``
+    and whose other open parts are bounded by ``bound`` (ms): lines show the whole search's figures."""
+    token = _OUTER.set((incumbent, bound))
+    try:
+        yield
+    finally:
+        _OUTER.reset(token)
+
+
 def report(incumbent: float, bound: float, gap: float, force: bool = False) -> None:
     """One status line (objective and bound in ms of recompute; elapsed since the outermost :func:`deadline`)
-    when progress is on and it is time."""
+    when progress is on and it is time. Inside :func:`within`, the whole search's incumbent and bound."""
     stream = _STREAM.get()
     now = time.monotonic()
     if stream is None or (not force and now - _LAST[0] < PROGRESS_EVERY_S):
         return
+    outer = _OUTER.get()
+    if outer is not None:
+        incumbent, bound = min(incumbent, outer[0]), min(bound, outer[1])
+        gap = math.inf
     _LAST[0] = now
     t0 = _T0.get() or now
     inc = f"{incumbent:.4f} ms" if math.isfinite(incumbent) else "none yet"

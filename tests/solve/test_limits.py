@@ -321,3 +321,23 @@ def test_a_large_stage_module_does_not_spend_the_limit_on_its_options():
     assert took <= 3 * limit + 2.0, f"solve took {took:.1f} s under a {limit} s limit"
     assert plan.status in ("optimal", "time_limit") and plan.decisions and plan.predicted_peak_bytes <= budget
     assert 0 <= plan.gap < 1 and plan.bound_ms <= plan.objective_ms + 1e-9
+
+
+def test_progress_inside_a_sub_problem_shows_the_whole_search() -> None:
+    """A leaf MILP's own bound is no bound of the search: lines inside ``within`` show the search's figures
+    (the smaller incumbent, the smaller bound), so the bound never seems to jump up and down."""
+    import io
+
+    from sacplan.solve import limits
+
+    out = io.StringIO()
+    with limits.progress_to(out), limits.deadline(None):
+        limits.report(10.0, 8.0, 0.2, force=True)
+        with limits.within(9.5, 8.5):
+            limits.report(10.0, 9.0, 0.1, force=True)  # leaf: worse incumbent, its own (higher) bound
+        with limits.within(11.0, 7.0):
+            limits.report(10.0, 9.0, 0.1, force=True)
+    lines = out.getvalue().splitlines()
+    assert "best 10.0000 ms, bound 8.0000 ms, gap 20.000%" in lines[0]
+    assert "best 9.5000 ms, bound 8.5000 ms, gap 10.526%" in lines[1]
+    assert "best 10.0000 ms, bound 7.0000 ms, gap 30.000%" in lines[2]
