@@ -529,6 +529,7 @@ def _build_stats(
                 recompute_stop=stop,
                 tradeoff=tradeoff,
                 held_input_bytes=tuple(recorder.held_by_checkpoint(r) for r in recs),
+                input_external_bytes=first.input_external_bytes,
             )
         )
     roots = [m for m in modules if m.parent is None]
