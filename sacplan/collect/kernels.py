@@ -12,8 +12,9 @@ host) keeps the host's own kernels, so its op list and bytes are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -88,7 +89,14 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
         "same for fp32; fp16/bf16: not routed, under-counts 4 x M bytes per call (M = rows normalised) "
         "before allocator rounding",
     ),
-    KernelRow("F.rms_norm (aten._fused_rms_norm)", "rstd fp32 (M)", "rstd fp32 (M)", "same"),
+    KernelRow(
+        "F.rms_norm / nn.RMSNorm (weight dtype = input dtype)",
+        "decomposed (aten._fused_rms_norm has no CPU kernel): [_to_copy] + pow + mean + add_ + rsqrt + mul + mul "
+        "[+ _to_copy]; saves rstd fp32 (M) and x*rstd in fp32 (4 B/elem), plus the fp32 input copy for fp16/bf16",
+        "aten._fused_rms_norm: out + rstd fp32 (M); backward saves the input, the weight and rstd",
+        "for a CUDA target the host gets a CPU kernel for aten._fused_rms_norm (and its backward) while collecting, "
+        "so rms_norm dispatches to it as on CUDA (see cuda_host_kernels)",
+    ),
     KernelRow(
         "F.cross_entropy (log_softmax + nll_loss)",
         "log_softmax output (N x C, input dtype) saved; total_weight scalar",
@@ -196,6 +204,46 @@ def route_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     training = bool(bound.get("training", bound.get("train", True)))
     inplace = bool(bound.get("inplace", False)) or func is torch.dropout_
     return True, native_dropout(x, float(bound["p"]), training, inplace)
+
+
+#: ``(op, its backward)``: ops CUDA runs as one kernel whose host build has only a decomposition
+#: (CompositeImplicitAutograd) -- on the host the op's callers decompose instead of reaching it.
+HOST_DECOMPOSED_OPS = (("_fused_rms_norm", "_fused_rms_norm_backward"),)
+
+_host_kernels_depth = 0
+_host_kernels_lib: Any = None
+
+
+@contextlib.contextmanager
+def cuda_host_kernels() -> Iterator[None]:
+    """Give the host a CPU kernel for each op of :data:`HOST_DECOMPOSED_OPS` while the block runs.
+
+    With a kernel of its own the op stops decomposing: ``torch.rms_norm`` reaches ``aten._fused_rms_norm`` and
+    autograd records ``FusedRmsNormBackward0`` (saving input, weight and rstd), as on a CUDA device; fake
+    tensors run the op's meta kernel. The CPU kernels compute with PyTorch's own decompositions (so real host
+    tensors still get correct values). Registrations are removed on exit (re-entrant); an op the host already
+    has a CPU kernel for is left alone.
+    """
+    global _host_kernels_depth, _host_kernels_lib
+    from torch._decomp import decomposition_table
+
+    if _host_kernels_depth == 0:
+        lib = torch.library.Library("aten", "IMPL")
+        for fw, bw in HOST_DECOMPOSED_OPS:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{fw}", "CPU"):
+                continue
+            fw_op, bw_op = getattr(aten, fw).default, getattr(aten, bw).default
+            lib.impl(fw, fw_op.decompose, "CPU")
+            lib.impl(bw, decomposition_table[bw_op], "CPU")
+        _host_kernels_lib = lib
+    _host_kernels_depth += 1
+    try:
+        yield
+    finally:
+        _host_kernels_depth -= 1
+        if _host_kernels_depth == 0:
+            _host_kernels_lib._destroy()
+            _host_kernels_lib = None
 
 
 def host_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
