@@ -138,3 +138,37 @@ def test_cpu_target_keeps_the_host_kernels() -> None:
     assert "aten.rsqrt.default" in ops["norm"]
     assert stats.module("drop1").act_bytes == (B * S * D * 4,)  # the fp32 noise mask
     assert stats.module("norm").act_bytes == (B * S * D * 4 + B * S * 4,)  # x*rstd (fp32) + rstd
+
+
+class _MixedNorm(nn.Module):
+    """A bf16 activation into an fp32-weight RMSNorm: ``rms_norm`` declines the fused kernel on every device
+    (dtype mismatch) and runs its composite, CUDA included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_with_mismatched_weight_dtype_stays_composite_on_cuda() -> None:
+    stats = collect(_MixedNorm, (torch.zeros(B, S, D),), device="h100", optimizer=False)
+    ops = [o.name for o in stats.module("norm").ops]
+    assert "aten._fused_rms_norm.default" not in ops and "aten.rsqrt.default" in ops
+
+
+def test_host_kernels_are_reentrant_and_removed() -> None:
+    from sacplan.collect.kernels import cuda_host_kernels
+
+    has = lambda: torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU")  # noqa: E731
+    assert not has()
+    with cuda_host_kernels():
+        with cuda_host_kernels():
+            assert has()
+        assert has()
+        x, w = torch.randn(4, D), torch.randn(D)  # real host tensors: the kernel computes PyTorch's values
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        torch.testing.assert_close(torch.rms_norm(x, (D,), w, 1e-6), want)
+    assert not has()
