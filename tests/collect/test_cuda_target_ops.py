@@ -172,3 +172,30 @@ def test_host_kernels_are_reentrant_and_removed() -> None:
         want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
         torch.testing.assert_close(torch.rms_norm(x, (D,), w, 1e-6), want)
     assert not has()
+
+
+#: dense ops the host build can only decompose although another backend has a kernel (and autograd formula)
+#: for them, that collection deliberately leaves decomposed: CUDA runs the same composite as the host
+NOT_CUDA_KERNELS = {"aten::max_pool2d": "MPS kernel only; CUDA decomposes to max_pool2d_with_indices, as the host"}
+
+
+def test_every_op_cuda_runs_fused_but_the_host_decomposes_is_routed() -> None:
+    """From the dispatcher: an op with an autograd formula (``Autograd`` kernel) that dense host tensors
+    nevertheless run through ``CompositeImplicitAutograd`` (no kernel of their own) is an op some device build
+    runs as one kernel. Each must be routed (``HOST_DECOMPOSED_OPS``) or known not to be a CUDA kernel; a new
+    PyTorch adding one fails here until it is classified in sacplan.collect.kernels."""
+    from sacplan.collect.kernels import HOST_DECOMPOSED_OPS
+
+    dense = ("CPU", "NestedTensorCPU", "NestedTensorHPU", "MkldnnCPU", "SparseCPU", "QuantizedCPU")
+    found = set()
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::") or name.endswith("_backward") or "_backward." in name:
+            continue  # backward kernels are not recorded forward ops
+        dump = torch._C._dispatch_dump(name)
+        if "CompositeImplicitAutograd[alias]" not in dump or "\nAutograd[alias]:" not in dump:
+            continue
+        table = torch._C._dispatch_dump_table(name).splitlines()
+        direct = {ln.split(":")[0] for ln in table if ln.rstrip().endswith("[kernel]")}
+        if not direct & set(dense):  # no host kernel for any tensor kind: the formula is for another device
+            found.add(name)
+    assert found == {f"aten::{fw}" for fw, _ in HOST_DECOMPOSED_OPS} | set(NOT_CUDA_KERNELS)
