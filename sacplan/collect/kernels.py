@@ -83,6 +83,15 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
         "not routed: the default priority never reaches it for inputs flash or efficient accept",
     ),
     KernelRow(
+        "F.batch_norm / nn.BatchNorm (training; >= 3-D fp32/fp64 input, or fp16 with fp32 weight; affine)",
+        "_batch_norm_impl_index's native path: empty (0-byte reserve) + native_batch_norm; saves save_mean and "
+        "save_invstd fp32 (C each)",
+        "cuDNN (the default when cudnn is enabled): aten.cudnn_batch_norm: out + save_mean + save_var fp32 (C each) "
+        "+ a reserve buffer (0 bytes on fakes; cuDNN's persistent-mode reserve is not modelled)",
+        "routed to aten.cudnn_batch_norm (same saved bytes; the SAC op list and its names are the GPU's); bf16, "
+        "2-D input or no affine: host path, as CUDA (its own native kernel)",
+    ),
+    KernelRow(
         "F.layer_norm (native_layer_norm)",
         "fp32 input: mean/rstd fp32 (M each); fp16/bf16 input: mean/rstd in the input dtype (2 B x M each)",
         "mean/rstd in fp32 (4 B x M each) for every input dtype",
@@ -244,6 +253,57 @@ def cuda_host_kernels() -> Iterator[None]:
         if _host_kernels_depth == 0:
             _host_kernels_lib._destroy()
             _host_kernels_lib = None
+
+
+def cudnn_batch_norm_applies(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+) -> bool:
+    """Whether CUDA's ``_batch_norm_impl_index`` would pick cuDNN for a training batch norm of these tensors.
+
+    Its conditions: no bf16 input or weight, fp16 input only with an fp32 weight, weight and bias given,
+    running statistics both given (or both absent), at least 3-D input, batch <= 880801 and fewer than
+    2**31 - 1 elements, and ``torch.backends.cudnn.enabled``. Only training is routed (eval saves nothing).
+    """
+    if not training or weight is None or bias is None or x.dim() < 3:
+        return False
+    if (running_mean is None) != (running_var is None):
+        return False
+    if torch.bfloat16 in (x.dtype, weight.dtype) or (x.dtype == torch.float16 and weight.dtype != torch.float32):
+        return False
+    if x.dtype not in (torch.float16, torch.float32, torch.float64):
+        return False
+    return x.shape[0] <= 880801 and x.numel() < 2**31 - 1 and torch.backends.cudnn.enabled
+
+
+def route_batch_norm(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, output)`` when ``func`` is a batch norm CUDA would run with cuDNN (``aten.cudnn_batch_norm``)."""
+    if func is torch.nn.functional.batch_norm:
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        defaults: dict[str, Any] = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+    elif func is torch.batch_norm:
+        names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps", "cudnn_enabled")
+        defaults = {}
+    else:
+        return False, None
+    b = dict(defaults)
+    b.update(zip(names, args))
+    b.update(kwargs)
+    x = b["input"]
+    if not isinstance(x, torch.Tensor) or not b.get("cudnn_enabled", True):
+        return False, None
+    weight, bias, mean, var = b["weight"], b["bias"], b["running_mean"], b["running_var"]
+    if not cudnn_batch_norm_applies(x, weight, bias, mean, var, bool(b["training"])):
+        return False, None
+    eps = float(b["eps"])
+    if eps <= 0.0:
+        return False, None  # F.batch_norm's own check raises the error
+    momentum = float(b["momentum"]) if b["momentum"] is not None else 0.0
+    return True, aten.cudnn_batch_norm(x, weight, bias, mean, var, True, momentum, eps)[0]
 
 
 def host_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

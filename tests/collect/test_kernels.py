@@ -163,6 +163,37 @@ def test_rmsnorm_fused_on_cuda_embedding_cross_entropy_same_on_both() -> None:
     assert gpu.grad_bytes == cpu.grad_bytes == (v * d + d + v * d) * 4  # embedding grad: dense (V × D)
 
 
+class _ConvBN(nn.Module):
+    def __init__(self, affine: bool = True) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, affine=affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+def test_batch_norm_runs_cudnn_on_cuda_with_the_same_bytes() -> None:
+    """Training BatchNorm2d (C = 8, fp32): cuDNN keeps save_mean + save_var, the host save_mean + save_invstd:
+    2 x 8 x 4 = 64 B either way; only the op (and so the SAC op list) differs."""
+    x = torch.zeros(2, 3, 16, 16)
+    gpu = collect(_ConvBN, (x,), device=H100_EXACT, optimizer=False)
+    cpu = collect(_ConvBN, (x,), device=CPU, optimizer=False)
+    assert [o.name for o in gpu.module("bn").ops] == ["aten.add_.Tensor", "aten.cudnn_batch_norm.default"]
+    assert [o.name for o in cpu.module("bn").ops] == [
+        "aten.add_.Tensor", "aten.empty.memory_format", "aten.native_batch_norm.default"
+    ]
+    assert gpu.module("bn").act_bytes == cpu.module("bn").act_bytes == (2 * 8 * 4,)
+
+
+@pytest.mark.parametrize("case", ["bf16", "no affine"])
+def test_batch_norm_cudnn_declines_stay_native_on_cuda(case: str) -> None:
+    """cuDNN is not used for a bf16 input or without weight and bias: CUDA runs its native kernel, as the host."""
+    mk = (lambda: _ConvBN().to(torch.bfloat16)) if case == "bf16" else (lambda: _ConvBN(affine=False))
+    x = torch.zeros(2, 3, 16, 16, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    gpu = collect(mk, (x,), device=H100_EXACT, optimizer=False)
+    assert "aten.native_batch_norm.default" in [o.name for o in gpu.module("bn").ops]
+
+
 def test_adamw_step_lives_on_the_host_for_cuda() -> None:
     """AdamW (foreach, not capturable): 2 fp32 states per parameter on the device; step scalars on the host."""
     d = 128
