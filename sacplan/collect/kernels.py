@@ -238,12 +238,16 @@ def cuda_host_kernels() -> Iterator[None]:
 
     if _host_kernels_depth == 0:
         lib = torch.library.Library("aten", "IMPL")
-        for fw, bw in HOST_DECOMPOSED_OPS:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{fw}", "CPU"):
-                continue
-            fw_op, bw_op = getattr(aten, fw).default, getattr(aten, bw).default
-            lib.impl(fw, fw_op.decompose, "CPU")
-            lib.impl(bw, decomposition_table[bw_op], "CPU")
+        try:
+            for fw, bw in HOST_DECOMPOSED_OPS:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{fw}", "CPU"):
+                    continue
+                fw_op, bw_op = getattr(aten, fw).default, getattr(aten, bw).default
+                lib.impl(fw, fw_op.decompose, "CPU")
+                lib.impl(bw, decomposition_table[bw_op], "CPU")
+        except BaseException:
+            lib._destroy()
+            raise
         _host_kernels_lib = lib
     _host_kernels_depth += 1
     try:
@@ -300,8 +304,9 @@ def route_batch_norm(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     if not cudnn_batch_norm_applies(x, weight, bias, mean, var, bool(b["training"])):
         return False, None
     eps = float(b["eps"])
-    if eps <= 0.0:
-        return False, None  # F.batch_norm's own check raises the error
+    per_channel = x.numel() // max(1, x.shape[1])
+    if eps <= 0.0 or per_channel <= 1:
+        return False, None  # F.batch_norm's own checks raise the error (eps, one value per channel)
     momentum = float(b["momentum"]) if b["momentum"] is not None else 0.0
     return True, aten.cudnn_batch_norm(x, weight, bias, mean, var, True, momentum, eps)[0]
 

@@ -194,6 +194,14 @@ def test_batch_norm_cudnn_declines_stay_native_on_cuda(case: str) -> None:
     assert "aten.native_batch_norm.default" in [o.name for o in gpu.module("bn").ops]
 
 
+def test_batch_norm_with_one_value_per_channel_still_raises_for_cuda() -> None:
+    """Routing keeps F.batch_norm's own check: training on one value per channel is an error on every device."""
+    from sacplan.errors import CollectionError
+
+    with pytest.raises(CollectionError, match="more than 1 value per channel"):
+        collect(lambda: nn.BatchNorm2d(8), (torch.zeros(1, 8, 1, 1),), device="h100", optimizer=False)
+
+
 def test_adamw_step_lives_on_the_host_for_cuda() -> None:
     """AdamW (foreach, not capturable): 2 fp32 states per parameter on the device; step scalars on the host."""
     d = 128
