@@ -197,6 +197,9 @@ class ModuleStats:
             (the step frees them before backward starts): checkpointing the module keeps them from its
             forward to its backward, because ``torch.utils.checkpoint`` holds a region's inputs to re-run it.
             Empty: none (stats from older versions).
+        input_external_bytes: bytes of the first call's inputs (part of ``input_bytes``) that the step did not
+            allocate: the example inputs, and tensors made before the step that are neither parameters nor
+            buffers. 0 in stats from older versions.
         fw_ms, bw_ms: estimated forward / backward time per call on the target.
         fw_flops, bw_flops: FLOPs per call.
         snapshots: per call, ``{name: MemSnapshot}`` for the names in :data:`SNAPSHOTS`.
@@ -230,6 +233,7 @@ class ModuleStats:
     recompute_stop: int = 0
     tradeoff: TradeOff | None = None
     held_input_bytes: tuple[int, ...] = ()
+    input_external_bytes: int = 0
 
     @property
     def total_act_bytes(self) -> int:

@@ -168,15 +168,22 @@ class ModuleTree:
     def to_torch_module_info(self) -> dict[str, Any]:
         """PyTorch's ``ModuleInfo`` dict (``torch.distributed._tools.ilp_utils``) for these numbers.
 
-        Field mapping (first call of each module; sizes in bytes, times in ms):
-        ``param_per_module``/``grad_per_module`` = subtree parameter bytes; ``grad_total`` = gradient
-        bytes live at the module's backward start; ``act_fw_per_module`` = activation bytes full
-        checkpointing frees; ``act_bw_per_module`` = activation bytes at the backward peak;
-        ``act_grad_per_module`` = growth of backward-temporary (TEMP: activation gradients) bytes from
-        the backward start to the backward peak, as ``ilp_utils.aggregate_stats`` takes it from MemTracker;
-        ``act_total`` = activation bytes live after the module's forward (inputs not included, as PyTorch's); ``sac_memory = act_fw_per_module`` (so the
-        reference's ``ACM == IA``) and ``sac_runtime`` = full recompute ms, with sacplan's trade-off lines
-        as slopes/intercepts (same (r, q) units as the reference's pwlf fit).
+        Each field means what ``ilp_utils.aggregate_stats`` makes of PyTorch's ``MemTracker`` entered around
+        the step (as PyTorch's own ILP test does: model, optimizer and input made before it). sacplan's
+        ``activation`` category is MemTracker's ``ACT`` (bytes the forward allocates, the model output and the
+        loss included; the example inputs, which MemTracker never sees, excluded) and ``temp`` is its ``TEMP``
+        (bytes the backward allocates), so with the first call's snapshots (sizes in bytes, times in ms):
+        ``param_per_module = grad_per_module`` = subtree parameter bytes; ``grad_total`` = ``grad`` at the
+        backward start; ``act_fw_per_module`` = activation bytes full checkpointing frees (MemTracker's
+        post-forward minus pre-forward ``ACT`` minus the output); ``act_bw_per_module`` = ``activation`` at the
+        backward peak; ``act_grad_per_module`` = ``temp`` at the backward peak minus at the backward start;
+        ``act_total`` = ``activation`` after the forward; ``input_per_module`` = input bytes the step allocated
+        (``input_bytes - input_external_bytes``: MemTracker counts only storages it tracks, so the example
+        inputs count 0); ``output_per_module`` = output bytes. Two MemTracker quirks are not copied: it counts
+        a storage once per tensor viewing it, and sees positional inputs only; sacplan counts each storage
+        once and keyword inputs too. ``sac_memory = act_fw_per_module`` (so the reference's ``ACM == IA``) and
+        ``sac_runtime`` = full recompute ms, with sacplan's trade-off lines as slopes/intercepts (same (r, q)
+        units as the reference's pwlf fit).
         """
         mod_stats: list[dict[str, Any]] = []
         for n in self.nodes:
@@ -199,7 +206,7 @@ class ModuleTree:
                     "act_bw_per_module": max(0, peak_bw.activation) if peak_bw else 0,
                     "act_grad_per_module": (peak_bw.temp - pre_bw.temp) if peak_bw and pre_bw else 0,
                     "act_total": post_fw.activation if post_fw else 0,
-                    "input_per_module": s.input_bytes,
+                    "input_per_module": s.input_bytes - s.input_external_bytes,
                     "output_per_module": s.output_bytes,
                     "fw_runtime_per_module": sum(s.fw_ms),
                     "bw_runtime_per_module": sum(s.bw_ms),

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from sacplan.collect.attention import FusedAttentionMode
 from sacplan.collect.calling import as_inputs, as_loss, call_model
 from sacplan.collect.hf import training_without_cache, transformers_real_paths
-from sacplan.collect.kernels import host_state_tensors
+from sacplan.collect.kernels import cuda_host_kernels, host_state_tensors
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
 from sacplan.devices import DeviceSpec, get_device
@@ -153,6 +153,7 @@ def collect(
     recorder = StepRecorder(fmodel, spec, rt)
     hooks = _install_state_hooks(fmodel, opt, recorder, cuda_target=spec.attention == "flash")
     attention = FusedAttentionMode(lambda: setattr(recorder, "next_sdpa_random", True)) if spec.attention == "flash" else contextlib.nullcontext()
+    host_kernels = cuda_host_kernels() if spec.attention == "flash" else contextlib.nullcontext()
 
     def builtin_step() -> None:
         out = call_model(fmodel, args)
@@ -176,7 +177,7 @@ def collect(
     try:
         # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
         # so the fake step runs the kernels the real one runs (restored on exit).
-        with training_without_cache(fmodel), transformers_real_paths(real_inputs), fake_mode, attention, recorder:
+        with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, fake_mode, attention, recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)
@@ -531,6 +532,7 @@ def _build_stats(
                 recompute_stop=stop,
                 tradeoff=tradeoff,
                 held_input_bytes=tuple(recorder.held_by_checkpoint(r) for r in recs),
+                input_external_bytes=first.input_external_bytes,
             )
         )
     roots = [m for m in modules if m.parent is None]

@@ -5,7 +5,8 @@ math path, which saves s×s scores, probabilities and a dropout mask — on a lo
 the model's activation memory, and it is not what a GPU's flash / memory-efficient / cuDNN kernel keeps
 (output + log-sum-exp + RNG state). When the target's ``DeviceSpec.attention == "flash"``, this
 ``TorchFunctionMode`` routes every SDPA call to the fused kernel the target's dispatcher would pick (flash or
-memory-efficient, see :data:`sacplan.collect.kernels.KERNEL_TABLE`; dropout goes to ``native_dropout``), so
+memory-efficient, see :data:`sacplan.collect.kernels.KERNEL_TABLE`; dropout goes to ``native_dropout``, a
+cuDNN-eligible training batch norm to ``cudnn_batch_norm``), so
 memory, FLOPs and saved tensors are those of a fused kernel; a call with dropout is flagged random (its
 dropout happens inside the kernel on the target, so recomputation must replay the same RNG state).
 """
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from sacplan.collect.kernels import MATH, fused_sdpa, route_dropout, sdpa_backend
+from sacplan.collect.kernels import MATH, fused_sdpa, route_batch_norm, route_dropout, sdpa_backend
 
 aten = torch.ops.aten
 
@@ -40,9 +41,10 @@ class FusedAttentionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
-        routed, result = route_dropout(func, args, kwargs)
-        if routed:
-            return result
+        for route in (route_dropout, route_batch_norm):
+            routed, result = route(func, args, kwargs)
+            if routed:
+                return result
         return func(*args, **kwargs)
 
     def _sdpa(

@@ -12,8 +12,9 @@ host) keeps the host's own kernels, so its op list and bytes are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -82,13 +83,29 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
         "not routed: the default priority never reaches it for inputs flash or efficient accept",
     ),
     KernelRow(
+        "F.batch_norm / nn.BatchNorm (training; >= 3-D fp32/fp64 input, or fp16 with fp32 weight; affine)",
+        "_batch_norm_impl_index's native path: empty (0-byte reserve) + native_batch_norm; saves save_mean and "
+        "save_invstd fp32 (C each)",
+        "cuDNN (the default when cudnn is enabled): aten.cudnn_batch_norm: out + save_mean + save_var fp32 (C each) "
+        "+ a reserve buffer (0 bytes on fakes; cuDNN's persistent-mode reserve is not modelled)",
+        "routed to aten.cudnn_batch_norm (same saved bytes; the SAC op list and its names are the GPU's); bf16, "
+        "2-D input or no affine: host path, as CUDA (its own native kernel)",
+    ),
+    KernelRow(
         "F.layer_norm (native_layer_norm)",
         "fp32 input: mean/rstd fp32 (M each); fp16/bf16 input: mean/rstd in the input dtype (2 B x M each)",
         "mean/rstd in fp32 (4 B x M each) for every input dtype",
         "same for fp32; fp16/bf16: not routed, under-counts 4 x M bytes per call (M = rows normalised) "
         "before allocator rounding",
     ),
-    KernelRow("F.rms_norm (aten._fused_rms_norm)", "rstd fp32 (M)", "rstd fp32 (M)", "same"),
+    KernelRow(
+        "F.rms_norm / nn.RMSNorm (weight dtype = input dtype)",
+        "decomposed (aten._fused_rms_norm has no CPU kernel): [_to_copy] + pow + mean + add_ + rsqrt + mul + mul "
+        "[+ _to_copy]; saves rstd fp32 (M) and x*rstd in fp32 (4 B/elem), plus the fp32 input copy for fp16/bf16",
+        "aten._fused_rms_norm: out + rstd fp32 (M); backward saves the input, the weight and rstd",
+        "for a CUDA target the host gets a CPU kernel for aten._fused_rms_norm (and its backward) while collecting, "
+        "so rms_norm dispatches to it as on CUDA (see cuda_host_kernels)",
+    ),
     KernelRow(
         "F.cross_entropy (log_softmax + nll_loss)",
         "log_softmax output (N x C, input dtype) saved; total_weight scalar",
@@ -196,6 +213,102 @@ def route_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     training = bool(bound.get("training", bound.get("train", True)))
     inplace = bool(bound.get("inplace", False)) or func is torch.dropout_
     return True, native_dropout(x, float(bound["p"]), training, inplace)
+
+
+#: ``(op, its backward)``: ops CUDA runs as one kernel whose host build has only a decomposition
+#: (CompositeImplicitAutograd) -- on the host the op's callers decompose instead of reaching it.
+HOST_DECOMPOSED_OPS = (("_fused_rms_norm", "_fused_rms_norm_backward"),)
+
+_host_kernels_depth = 0
+_host_kernels_lib: Any = None
+
+
+@contextlib.contextmanager
+def cuda_host_kernels() -> Iterator[None]:
+    """Give the host a CPU kernel for each op of :data:`HOST_DECOMPOSED_OPS` while the block runs.
+
+    With a kernel of its own the op stops decomposing: ``torch.rms_norm`` reaches ``aten._fused_rms_norm`` and
+    autograd records ``FusedRmsNormBackward0`` (saving input, weight and rstd), as on a CUDA device; fake
+    tensors run the op's meta kernel. The CPU kernels compute with PyTorch's own decompositions (so real host
+    tensors still get correct values). Registrations are removed on exit (re-entrant); an op the host already
+    has a CPU kernel for is left alone.
+    """
+    global _host_kernels_depth, _host_kernels_lib
+    from torch._decomp import decomposition_table
+
+    if _host_kernels_depth == 0:
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            for fw, bw in HOST_DECOMPOSED_OPS:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{fw}", "CPU"):
+                    continue
+                fw_op, bw_op = getattr(aten, fw).default, getattr(aten, bw).default
+                lib.impl(fw, fw_op.decompose, "CPU")
+                lib.impl(bw, decomposition_table[bw_op], "CPU")
+        except BaseException:
+            lib._destroy()
+            raise
+        _host_kernels_lib = lib
+    _host_kernels_depth += 1
+    try:
+        yield
+    finally:
+        _host_kernels_depth -= 1
+        if _host_kernels_depth == 0:
+            _host_kernels_lib._destroy()
+            _host_kernels_lib = None
+
+
+def cudnn_batch_norm_applies(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+) -> bool:
+    """Whether CUDA's ``_batch_norm_impl_index`` would pick cuDNN for a training batch norm of these tensors.
+
+    Its conditions: no bf16 input or weight, fp16 input only with an fp32 weight, weight and bias given,
+    running statistics both given (or both absent), at least 3-D input, batch <= 880801 and fewer than
+    2**31 - 1 elements, and ``torch.backends.cudnn.enabled``. Only training is routed (eval saves nothing).
+    """
+    if not training or weight is None or bias is None or x.dim() < 3:
+        return False
+    if (running_mean is None) != (running_var is None):
+        return False
+    if torch.bfloat16 in (x.dtype, weight.dtype) or (x.dtype == torch.float16 and weight.dtype != torch.float32):
+        return False
+    if x.dtype not in (torch.float16, torch.float32, torch.float64):
+        return False
+    return x.shape[0] <= 880801 and x.numel() < 2**31 - 1 and torch.backends.cudnn.enabled
+
+
+def route_batch_norm(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, output)`` when ``func`` is a batch norm CUDA would run with cuDNN (``aten.cudnn_batch_norm``)."""
+    if func is torch.nn.functional.batch_norm:
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        defaults: dict[str, Any] = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+    elif func is torch.batch_norm:
+        names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps", "cudnn_enabled")
+        defaults = {}
+    else:
+        return False, None
+    b = dict(defaults)
+    b.update(zip(names, args))
+    b.update(kwargs)
+    x = b["input"]
+    if not isinstance(x, torch.Tensor) or not b.get("cudnn_enabled", True):
+        return False, None
+    weight, bias, mean, var = b["weight"], b["bias"], b["running_mean"], b["running_var"]
+    if not cudnn_batch_norm_applies(x, weight, bias, mean, var, bool(b["training"])):
+        return False, None
+    eps = float(b["eps"])
+    per_channel = x.numel() // max(1, x.shape[1])
+    if eps <= 0.0 or per_channel <= 1:
+        return False, None  # F.batch_norm's own checks raise the error (eps, one value per channel)
+    momentum = float(b["momentum"]) if b["momentum"] is not None else 0.0
+    return True, aten.cudnn_batch_norm(x, weight, bias, mean, var, True, momentum, eps)[0]
 
 
 def host_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

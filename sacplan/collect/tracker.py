@@ -134,6 +134,8 @@ class CallRecord:
     #: global index of the last forward op that made a new output storage (-1: none)
     out_op: int = -1
     input_bytes: int = 0
+    #: bytes of the inputs' storages the step did not allocate: its own example inputs and untracked tensors
+    input_external_bytes: int = 0
     #: ``(storage key, bytes)`` of the tracked activation storages among the call's tensor inputs
     input_keys: tuple[tuple[int, int], ...] = ()
     output_bytes: int = 0
@@ -293,6 +295,21 @@ class StepRecorder(TorchDispatchMode):
                 out[info[2]] = info[0]
         return tuple(out.items())
 
+    def _external_bytes(self, x: Any) -> int:
+        """Bytes (allocator-rounded, as :func:`_tensor_bytes_of` counts them) of the distinct storages in ``x``
+        that the step did not allocate: the example inputs (category ``input``) and tensors made before the
+        step that are neither parameters nor buffers (untracked)."""
+        seen: set[int] = set()
+        total = 0
+        for st in storages_of(x):
+            if id(st) in seen:
+                continue
+            seen.add(id(st))
+            info = self.storages.get(id(st))
+            if info is None or info[1] == INPUT:
+                total += self.spec.round_alloc(st.nbytes())
+        return total
+
     def held_by_checkpoint(self, rec: CallRecord) -> int:
         """Bytes a non-reentrant checkpoint of ``rec`` would keep besides saved tensors: its activation inputs
         that the step freed before backward began (nothing saved them). ``torch.utils.checkpoint`` holds a
@@ -441,6 +458,7 @@ class StepRecorder(TorchDispatchMode):
             alloc_seq_pre=self.alloc_seq,
             act_alloc_pre=self.act_alloc_total,
             input_bytes=_tensor_bytes_of(inputs, self.spec),
+            input_external_bytes=self._external_bytes(inputs),
             input_keys=self._activation_keys(inputs),
         )
         self.calls.append(rec)
@@ -488,6 +506,7 @@ class StepRecorder(TorchDispatchMode):
             # Tensors passed by keyword are inputs too (the global pre-hook only sees positional ones):
             # count them, and end this call's backward when their gradients are done as well.
             rec.input_bytes = _tensor_bytes_of((inputs, kwargs), self.spec)
+            rec.input_external_bytes = self._external_bytes((inputs, kwargs))
             rec.input_keys = self._activation_keys((inputs, kwargs))
             flat, _ = tree_flatten(kwargs)
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):

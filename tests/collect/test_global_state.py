@@ -18,6 +18,7 @@ import torch.nn.modules.module as nn_module
 from torch import nn
 
 from sacplan.collect import collect
+from sacplan.collect.kernels import HOST_DECOMPOSED_OPS
 from sacplan.collect.runtime import RuntimeModel
 from sacplan.collect.tracker import StepRecorder
 from sacplan.devices import CPU
@@ -40,6 +41,9 @@ def _global_state() -> dict:
     state["dispatch modes"] = torch._C._len_torch_dispatch_stack()
     state["function modes"] = torch._C._len_torch_function_stack()
     state["grad enabled"] = torch.is_grad_enabled()
+    for fw, bw in HOST_DECOMPOSED_OPS:  # a CUDA target's collection gives the host these kernels for a while
+        for op in (fw, bw):
+            state[f"aten::{op} CPU kernel"] = torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "CPU")
     return state
 
 
@@ -74,6 +78,11 @@ def test_collect_restores_global_state(outer):
     _check_unchanged(lambda: collect("llama-tiny", device=CPU), outer)
 
 
+def test_collect_for_a_cuda_target_restores_global_state(outer):
+    _check_unchanged(lambda: collect("llama-tiny", device="h100"), outer)
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CPU")
+
+
 class _Boom(nn.Module):
     def __init__(self, where: str) -> None:
         super().__init__()
@@ -97,13 +106,14 @@ class _FailingBackward(torch.autograd.Function):
         raise RuntimeError("boom in backward")
 
 
+@pytest.mark.parametrize("device", [CPU, "h100"], ids=["cpu", "h100"])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_collect_that_raises_restores_global_state(outer, where):
+def test_collect_that_raises_restores_global_state(outer, where, device):
     model = nn.Sequential(nn.Linear(8, 8), _Boom(where))
 
     def run():
         with pytest.raises(CollectionError, match=f"boom in {where}"):
-            collect(model, (torch.randn(4, 8),), device=CPU)
+            collect(model, (torch.randn(4, 8),), device=device)
 
     _check_unchanged(run, outer)
 

@@ -130,7 +130,8 @@ def test_layer_norm_half_residual() -> None:
 
 
 class _Same(nn.Module):
-    """Embedding → RMSNorm → LM head; cross-entropy loss: the rows whose CPU and CUDA kernels keep the same."""
+    """Embedding → RMSNorm → LM head; cross-entropy loss: embedding and cross-entropy keep the same on both
+    kernels, RMSNorm does not (CUDA runs one fused kernel, the host a decomposition)."""
 
     def __init__(self, v: int, d: int) -> None:
         super().__init__()
@@ -140,17 +141,65 @@ class _Same(nn.Module):
         return self.head(self.norm(self.emb(ids)))
 
 
-def test_rmsnorm_embedding_cross_entropy_same_on_both() -> None:
+def test_rmsnorm_fused_on_cuda_embedding_cross_entropy_same_on_both() -> None:
     v, d, b, s = 64, 32, 2, 16
     ids = torch.zeros(b, s, dtype=torch.long)
     loss = lambda out, args: F.cross_entropy(out.flatten(0, 1), args[0].flatten())  # noqa: E731
     gpu = collect(lambda: _Same(v, d), (ids,), device=H100_EXACT, loss_fn=loss, optimizer=False)
     cpu = collect(lambda: _Same(v, d), (ids,), device=CPU, loss_fn=loss, optimizer=False)
-    for g, c in zip(gpu.modules, cpu.modules):
-        assert (g.fqn, g.act_bytes, [o.name for o in g.ops]) == (c.fqn, c.act_bytes, [o.name for o in c.ops])
-    # RMSNorm keeps its input (b·s·d fp32) and rstd (b·s fp32), as CUDA's _fused_rms_norm
-    assert gpu.module("norm").act_bytes[0] == b * s * d * 4 + b * s * 4
+    for fqn in ("emb", "head"):
+        g, c = gpu.module(fqn), cpu.module(fqn)
+        assert (g.act_bytes, [o.name for o in g.ops]) == (c.act_bytes, [o.name for o in c.ops]), fqn
+    # CUDA: one _fused_rms_norm; its backward saves the input (the embedding's output, allocated before the
+    # module) and rstd (b·s fp32): the module itself keeps only rstd
+    assert [o.name for o in gpu.module("norm").ops] == ["aten._fused_rms_norm.default"]
+    assert gpu.module("norm").act_bytes[0] == b * s * 4
+    # host decomposition: the weight multiply also saves x·rstd (b·s·d fp32)
+    assert "aten.rsqrt.default" in [o.name for o in cpu.module("norm").ops]
+    assert cpu.module("norm").act_bytes[0] == b * s * d * 4 + b * s * 4
+    # whole model: embedding output (saved by RMSNorm) + rstd + RMSNorm output (saved by the head)
+    assert gpu.module("").act_bytes[0] == 2 * b * s * d * 4 + b * s * 4 == 8320
+    assert cpu.module("").act_bytes[0] - gpu.module("").act_bytes[0] == b * s * d * 4
     assert gpu.grad_bytes == cpu.grad_bytes == (v * d + d + v * d) * 4  # embedding grad: dense (V × D)
+
+
+class _ConvBN(nn.Module):
+    def __init__(self, affine: bool = True) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, affine=affine)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+def test_batch_norm_runs_cudnn_on_cuda_with_the_same_bytes() -> None:
+    """Training BatchNorm2d (C = 8, fp32): cuDNN keeps save_mean + save_var, the host save_mean + save_invstd:
+    2 x 8 x 4 = 64 B either way; only the op (and so the SAC op list) differs."""
+    x = torch.zeros(2, 3, 16, 16)
+    gpu = collect(_ConvBN, (x,), device=H100_EXACT, optimizer=False)
+    cpu = collect(_ConvBN, (x,), device=CPU, optimizer=False)
+    assert [o.name for o in gpu.module("bn").ops] == ["aten.add_.Tensor", "aten.cudnn_batch_norm.default"]
+    assert [o.name for o in cpu.module("bn").ops] == [
+        "aten.add_.Tensor", "aten.empty.memory_format", "aten.native_batch_norm.default"
+    ]
+    assert gpu.module("bn").act_bytes == cpu.module("bn").act_bytes == (2 * 8 * 4,)
+
+
+@pytest.mark.parametrize("case", ["bf16", "no affine"])
+def test_batch_norm_cudnn_declines_stay_native_on_cuda(case: str) -> None:
+    """cuDNN is not used for a bf16 input or without weight and bias: CUDA runs its native kernel, as the host."""
+    mk = (lambda: _ConvBN().to(torch.bfloat16)) if case == "bf16" else (lambda: _ConvBN(affine=False))
+    x = torch.zeros(2, 3, 16, 16, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    gpu = collect(mk, (x,), device=H100_EXACT, optimizer=False)
+    assert "aten.native_batch_norm.default" in [o.name for o in gpu.module("bn").ops]
+
+
+def test_batch_norm_with_one_value_per_channel_still_raises_for_cuda() -> None:
+    """Routing keeps F.batch_norm's own check: training on one value per channel is an error on every device."""
+    from sacplan.errors import CollectionError
+
+    with pytest.raises(CollectionError, match="more than 1 value per channel"):
+        collect(lambda: nn.BatchNorm2d(8), (torch.zeros(1, 8, 1, 1),), device="h100", optimizer=False)
 
 
 def test_adamw_step_lives_on_the_host_for_cuda() -> None:

@@ -102,6 +102,9 @@ def test_input_output_bytes(request, which):
     io = {fqn: (stats.module(fqn).input_bytes, stats.module(fqn).output_bytes) for fqn in ("", "0", "1", "2")}
     assert io == {"": (X, Y), "0": (X, H1), "1": (H1, RELU), "2": (RELU, Y)}
     assert stats.input_shapes == ((16, 64),)
+    # the example input is not the step's allocation: only the root and the first Linear take it
+    external = {fqn: stats.module(fqn).input_external_bytes for fqn in ("", "0", "1", "2")}
+    assert external == {"": X, "0": X, "1": 0, "2": 0}
 
 
 @pytest.mark.parametrize("which, state", [("mlp_cpu", CPU_STATE), ("mlp_h100", H100_STATE)])
