@@ -145,6 +145,8 @@ class CallRecord:
     bw_flops: int = 0
     bw_done: bool = False
     bw_post_fn: Any = None  # the live backward-post callback (a later one supersedes it)
+    #: parameters whose accumulated gradients end this call's backward (no input of it needs a gradient)
+    end_params: tuple = ()
 
 
 @dataclass
@@ -511,6 +513,8 @@ class StepRecorder(TorchDispatchMode):
             flat, _ = tree_flatten(kwargs)
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
                 self._register_bw_post(mod, fqn, (inputs, kwargs), rec)
+        if rec.end_params and rec.bw_post_fn is not None:
+            self._end_with_parameters(list(rec.end_params), rec.bw_post_fn)
         self.fw_stack.pop()
         self.fw_post_order.append(fqn)
         self._register_bw_pre(mod, output, rec)
@@ -567,10 +571,37 @@ class StepRecorder(TorchDispatchMode):
 
         if rec is not None:
             rec.bw_post_fn = done
+        params = [p for p in mod.parameters() if p.requires_grad] if not tensors else []
+        if rec is not None:
+            rec.end_params = ()
         if tensors:
             register_multi_grad_hook(tensors, done, mode="all")
+        elif params and rec is not None:
+            rec.end_params = tuple(params)  # hooked at the call's forward end, so nested calls end first
         else:
             self._pending_bw_post.append(done)
+
+    def _end_with_parameters(self, params: list[torch.Tensor], done: Callable[[], None]) -> None:
+        """A call none of whose inputs needs a gradient ends its backward once its parameters' gradients are
+        accumulated (a module called more than once: once all its calls' are, a conservative end), or, for
+        parameters the step leaves without a gradient, at the end of the whole backward. Post-accumulate hooks,
+        not a multi-grad hook: those would hold the gradients until all arrive and change the peak measured."""
+        left = [len(params)]
+        handles: list[Any] = []
+
+        def finish() -> None:
+            for h in handles:
+                h.remove()
+            handles.clear()
+            done()
+
+        def one(_: torch.Tensor) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                finish()
+
+        handles.extend(p.register_post_accumulate_grad_hook(one) for p in params)
+        self._pending_bw_post.append(finish)
 
     def _maybe_queue_callback(self) -> None:
         if self._callback_queued:

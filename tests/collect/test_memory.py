@@ -195,3 +195,27 @@ def test_buffers_are_counted(request):
     # running_mean, running_var (10 fp32 each) and num_batches_tracked (int64)
     assert stats.module("").buffer_bytes == 40 + 40 + 8
     assert stats.param_bytes == 80
+
+
+def test_a_call_whose_inputs_need_no_gradient_ends_its_backward_with_its_parameters():
+    """``f(x) + g(z)`` with only ``x`` needing a gradient: ``g``'s backward is done once its weight and bias
+    gradients are (first in the backward here), not at the end of the whole backward; a checkpointed ``g``
+    stops holding its inputs there."""
+    import torch
+    from torch import nn
+
+    from sacplan.collect import collect
+    from sacplan.devices import CPU
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+            self.g = nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+            return self.f(x) + self.g(z)
+
+    st = collect(Two, (torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)), device=CPU, optimizer=False)
+    assert st.bw_post_order[0] == "g"  # it was last (the end of the whole backward) before
+    assert st.bw_post_order.index("g") < st.bw_post_order.index("f.2")
