@@ -178,6 +178,7 @@ def collected_trees(sizes):
 #: issue 14's cells: (label, preset, overrides, batch, seq, world size, what: a budget or "sweep")
 ISSUE14_CELLS = (
     ("llama-small x48 @ 0.5GiB", "llama-small", {"n_layers": 48}, None, None, None, "0.5GiB"),
+    ("README default plan (80% of H100)", None, None, None, None, None, "80%"),
     ("README default sweep (8 points)", None, None, None, None, None, "sweep"),
     ("llama-8b b2 s8192 ws8 @ 60GiB", "llama-8b", None, 2, 8192, 8, "60GiB"),
 )
@@ -190,9 +191,9 @@ def issue14_tree(preset, overrides, batch, seq, world_size):
     from sacplan.distributed import shard_stats
     from sacplan.tree import ModuleTree
 
-    if preset is None:
-        preset, batch, seq = cli.DEFAULT_MODEL, cli.DEFAULT_BATCH, cli.DEFAULT_SEQ
-    spec = cli.load_model_spec(preset, layers=(overrides or {}).get("n_layers"))
+    spec = cli.load_model_spec(preset or cli.DEFAULT_MODEL, layers=(overrides or {}).get("n_layers"))
+    if preset is None:  # the CLI's default job: the default model at its preset's default shape
+        batch, seq = spec.preset.default_batch, spec.preset.default_seq
     stats = spec.collect(get_device(cli.DEFAULT_DEVICE), dtype=cli.DEFAULT_DTYPE, batch=batch, seq=seq, progress=None)
     if world_size:
         stats = shard_stats(stats, world_size, fsdp_units="each block", mode="fsdp")

@@ -53,9 +53,8 @@ from sacplan.stats import ModuleStats
 from sacplan.tradeoff import recompute_surge
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
-from sacplan.units import parse_budget
+from sacplan.units import GiB, parse_budget
 
-GiB = float(2**30)
 
 _PHASES = {"fw": 0, "bw": 1, "rc": 2, "other": 3}
 FW, BW, RC, OTHER = 0, 1, 2, 3
