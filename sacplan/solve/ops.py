@@ -394,26 +394,43 @@ def pareto_front(
 
 
 def _front(free: Sequence[_Group], cap: int) -> tuple[list[tuple[int, float, int]], bool]:
-    """The DP of :func:`pareto_front` over the free groups: ``(front, complete)``."""
-    front: list[tuple[int, float, int]] = [(0, 0.0, 0)]
+    """The DP of :func:`pareto_front` over the free groups: ``(front, complete)``.
+
+    Per group, the front so far and its copy with the group saved are merged (by bytes, then most ms saved;
+    stable) and only points saving strictly more ms than every cheaper one stay (relative tolerance 1e-12);
+    above ``cap`` points, each of ``cap`` equal byte buckets keeps its point saving the most ms. Arrays with
+    back-pointers per group, masks rebuilt at the end: the same points, sums and order as a list-of-tuples DP.
+    """
+    B = np.zeros(1, dtype=np.int64)
+    M = np.zeros(1, dtype=float)
     complete = True
-    for i, g in enumerate(free):
-        bit = 1 << i
-        merged = sorted(front + [(b + g.bytes, m + g.ms, k | bit) for b, m, k in front], key=lambda p: (p[0], -p[1]))
-        front = []
-        for p in merged:
-            if not front or p[1] > front[-1][1] + 1e-12 * max(1.0, abs(front[-1][1])):
-                front.append(p)
-        if len(front) > cap:
+    steps: list[tuple[np.ndarray, np.ndarray]] = []  # per group: (index into the previous front, group taken)
+    for g in free:
+        nb = np.concatenate([B, B + int(g.bytes)])
+        nm = np.concatenate([M, M + float(g.ms)])
+        src = np.concatenate([np.arange(len(B)), np.arange(len(B))])
+        took = np.concatenate([np.zeros(len(B), dtype=bool), np.ones(len(B), dtype=bool)])
+        order = np.lexsort((-nm, nb))  # by bytes, then most ms; stable
+        nb, nm, src, took = nb[order], nm[order], src[order], took[order]
+        keep = _strictly_better(nm)
+        nb, nm, src, took = nb[keep], nm[keep], src[keep], took[keep]
+        if len(nb) > cap:
             complete = False
-            width = front[-1][0] / cap
-            thin: dict[int, tuple[int, float, int]] = {}
-            for p in front:  # per bucket keep the point saving the most ms (ties: fewer bytes)
-                key = int(p[0] // width)
-                if key not in thin or p[1] > thin[key][1]:
-                    thin[key] = p
-            front = sorted(thin.values())
-    return front, complete
+            width = nb[-1] / cap
+            key = np.floor_divide(nb, width).astype(np.int64) if width > 0 else np.zeros(len(nb), dtype=np.int64)
+            last = np.ones(len(nb), dtype=bool)
+            last[:-1] = key[1:] != key[:-1]  # ms rises along the front: a bucket's best is its last point
+            nb, nm, src, took = nb[last], nm[last], src[last], took[last]
+        steps.append((src, took))
+        B, M = nb, nm
+    masks = [0] * len(B)
+    idx = np.arange(len(B))
+    for i in range(len(steps) - 1, -1, -1):
+        src, took = steps[i]
+        for j in np.nonzero(took[idx])[0].tolist():
+            masks[j] |= 1 << i
+        idx = src[idx]
+    return [(int(b), float(m), k) for b, m, k in zip(B.tolist(), M.tolist(), masks)], complete
 
 
 def module_options(
@@ -454,14 +471,25 @@ def module_options(
     pts: list[tuple[float, float, OpSelection | None]] = [(1.0, max(1.0, q_full), None)]
     if A > 0 and R > 0:
         if len(free) <= DP_MAX_GROUPS or not ratios:
+            # Every front point is priced from the DP's own sums and only the points that survive the pruning
+            # below are realised as selections (a Llama-family root's front has ~5,000 points, 16 are kept).
             front, complete = _front(free, FRONT_CAP)
             always = {p for g in saved_groups for p in g.members}
-            for _, _, mask in front:
-                saved = set(always)
-                for i, g in enumerate(free):
-                    if mask >> i & 1:
-                        saved.update(g.members)
-                sels.append(_result(ops, saved, stop, False))
+            always_bytes = sum(max(0, int(ops[p].save_cost_bytes)) for p in always)
+            # recompute ms priced exactly as a realised selection is (math.fsum of the recomputed ops): fsum is
+            # exact over its inputs, so the exact partials of every op's ms less the saved groups' ms give it
+            base = _partials([op.runtime_ms for p, op in enumerate(ops) if p not in always and op.index < stop])
+            terms = [[-ops[p].runtime_ms for p in g.members if ops[p].index < stop] for g in free]
+            for b, _, mask in front:
+                d = A - (always_bytes + b)
+                if d < 0:
+                    continue
+                xs, rest = list(base), mask
+                while rest:
+                    low = rest & -rest
+                    xs.extend(terms[low.bit_length() - 1])
+                    rest ^= low
+                pts.append((min(1.0, d / A), min(1.0, math.fsum(xs) / R), _Pending(mask, bool(always) or mask != 0)))
         else:  # a large module (a stage of many blocks): exact knapsacks at the sampled ratios only
             complete = False
             fill = _Greedy(ops, saved_groups, free, stop)
@@ -493,6 +521,8 @@ def module_options(
     if max_options is not None and len(kept) > max(2, max_options):
         complete = False
         kept = [kept[k] for k in thin_front([(p[0], p[1]) for p in kept], max(2, max_options))]
+    if any(isinstance(p[2], _Pending) for p in kept):
+        kept = _realise(ops, kept, saved_groups, free, stop, A, R)
     slack = max([0.0] + [slacks.get(p[2], 0.0) for p in kept if p[2] is not None])
     return ModuleOptions(
         ratio=tuple(p[0] for p in kept),
@@ -501,6 +531,78 @@ def module_options(
         complete=complete,
         slack_frac=min(1.0, slack / R) if R > 0 else 0.0,
     )
+
+
+def _strictly_better(m: np.ndarray) -> np.ndarray:
+    """Which points of ``m`` (ms saved, in front order) save strictly more than the last one kept before them
+    (relative tolerance 1e-12; the first is kept). Vectorised against the running maximum of *all* points, and
+    re-done as the plain scan where a dropped point rose above the last kept one (a near-tie within the
+    tolerance), so the answer is always the scan's."""
+    run = np.maximum.accumulate(m)
+    prev = np.concatenate([[-np.inf], run[:-1]])
+    with np.errstate(invalid="ignore"):
+        keep = m > prev + 1e-12 * np.maximum(1.0, np.abs(prev))
+    keep[0] = True
+    if np.array_equal(np.maximum.accumulate(np.where(keep, m, -np.inf)), run):
+        return keep
+    keep = np.zeros(len(m), dtype=bool)
+    best = -math.inf
+    for i, v in enumerate(m.tolist()):
+        if best == -math.inf or v > best + 1e-12 * max(1.0, abs(best)):
+            keep[i] = True
+            best = v
+    return keep
+
+
+def _partials(xs: Sequence[float]) -> list[float]:
+    """Non-overlapping floats whose exact sum is the exact sum of ``xs`` (Shewchuk's partials, as ``math.fsum``
+    keeps them), so ``fsum(_partials(a) + b) == fsum(a + b)``."""
+    parts: list[float] = []
+    for x in xs:
+        i = 0
+        for y in parts:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                parts[i] = lo
+                i += 1
+            x = hi
+        parts[i:] = [x]
+    return parts
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A front point of :func:`module_options` not yet realised: the free groups it saves (bit mask)."""
+
+    mask: int
+    saved: bool  # it saves something (what a realised selection's ``saved`` tuple says by its truth)
+
+
+def _realise(
+    ops: Sequence[OpStat], kept: list, saved_groups: Sequence[_Group], free: Sequence[_Group], stop: int, A: int, R: float
+) -> list[tuple[float, float, OpSelection | None]]:
+    """The kept options with their selections built and priced exactly (``math.fsum`` over the recomputed ops, as
+    every selection is); an option the exact prices show dominated (equal ratio or no cheaper, at 1e-12) goes."""
+    always = {p for g in saved_groups for p in g.members}
+    out: list[tuple[float, float, OpSelection | None]] = []
+    for r, q, sel in kept:
+        if isinstance(sel, _Pending):
+            saved = set(always)
+            for i, g in enumerate(free):
+                if sel.mask >> i & 1:
+                    saved.update(g.members)
+            sel = _result(ops, saved, stop, False)
+            r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R)
+        out.append((r, q, sel))
+    res: list[tuple[float, float, OpSelection | None]] = []
+    for p in sorted(out, key=lambda p: (-p[0], p[1])):  # ratio descending: keep strictly cheaper ones
+        if not res or (p[1] < res[-1][1] - 1e-12 and abs(p[0] - res[-1][0]) > 1e-15):
+            res.append(p)
+    res.reverse()
+    return res
 
 
 def thin_front(pts: Sequence[tuple[float, float]], keep: int) -> list[int]:

@@ -6,6 +6,8 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solve import ops as ops_mod
@@ -217,3 +219,42 @@ def test_sampled_options_past_the_deadline_keep_the_greedy_fill_with_its_slack(m
     assert hurried.ratio == exact.ratio and hurried.frac == exact.frac
     # LP relaxation: the 1 MiB left holds half a big op, 1 ms: slack 1 ms of R = 750 ms
     assert hurried.slack_frac == pytest.approx(1 / 750)
+
+
+def _list_front(free, cap):
+    """The list-of-tuples DP that ops._front replaced (same merge, filter and thinning), as an oracle."""
+    front = [(0, 0.0, 0)]
+    complete = True
+    for i, g in enumerate(free):
+        bit = 1 << i
+        merged = sorted(front + [(b + g.bytes, m + g.ms, k | bit) for b, m, k in front], key=lambda p: (p[0], -p[1]))
+        front = []
+        for p in merged:
+            if not front or p[1] > front[-1][1] + 1e-12 * max(1.0, abs(front[-1][1])):
+                front.append(p)
+        if len(front) > cap:
+            complete = False
+            width = front[-1][0] / cap
+            thin = {}
+            for p in front:
+                key = int(p[0] // width)
+                if key not in thin or p[1] > thin[key][1]:
+                    thin[key] = p
+            front = sorted(thin.values())
+    return front, complete
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([0.25, 0.5, 1.0, 1e-13, 3e-11, 0.1, 0.3, 0.7])), max_size=12),
+    cap=st.sampled_from([3, 8, 20000]),
+)
+def test_array_front_equals_the_list_dp(groups, cap):
+    """pareto_front's array DP: the same points, sums, masks and completeness as the plain list DP, ties (equal
+    and 1e-13- or 3e-11-apart ms, each side of the 1e-12 tolerance) included."""
+    from sacplan.solve.ops import pareto_front
+
+    ops = [OpStat(index=i, name="aten.mm.default", occurrence=i, out_bytes=b, runtime_ms=m, flops=0, save_cost_bytes=b)
+           for i, (b, m) in enumerate(groups)]
+    front, free, _, complete = pareto_front(ops, cap=cap)
+    assert (front, complete) == _list_front(free, cap)
