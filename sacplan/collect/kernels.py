@@ -194,6 +194,15 @@ def native_dropout(x: torch.Tensor, p: float, training: bool, inplace: bool) -> 
     return out
 
 
+
+def _bind(names: tuple[str, ...], defaults: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A functional's arguments by name: ``defaults``, then the positional ``args`` in ``names`` order, then
+    ``kwargs``."""
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
 def route_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     """``(True, result)`` when ``func`` is a dropout call to route to ``native_dropout``; else ``(False, None)``."""
     if func is torch.nn.functional.dropout:
@@ -204,9 +213,7 @@ def route_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         defaults = {}
     else:
         return False, None
-    bound = dict(defaults)
-    bound.update(zip(names, args))
-    bound.update(kwargs)
+    bound = _bind(names, defaults, args, kwargs)
     x = bound["input"]
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
         return False, None
@@ -294,9 +301,7 @@ def route_batch_norm(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         defaults = {}
     else:
         return False, None
-    b = dict(defaults)
-    b.update(zip(names, args))
-    b.update(kwargs)
+    b = _bind(names, defaults, args, kwargs)
     x = b["input"]
     if not isinstance(x, torch.Tensor) or not b.get("cudnn_enabled", True):
         return False, None

@@ -98,12 +98,7 @@ def test_a_solve_ends_within_its_time_limit_and_states_its_gap():
     tree = llama_tree(64)
     budget = int(baseline_peak(tree) * 0.6)
     limit = 0.5
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TimeLimitWarning)
-        plan = solve(tree, budget, time_limit_s=limit)
-    took = time.perf_counter() - t0
-    assert took <= 3 * limit + 2.0, f"solve took {took:.1f} s under a {limit} s limit"
+    plan = _solve_within(tree, budget, limit)
     assert plan.status == "time_limit"
     assert 0 < plan.gap < 1 and plan.bound_ms < plan.objective_ms
     assert plan.predicted_peak_bytes <= budget and plan.decisions
@@ -313,12 +308,7 @@ def test_a_large_stage_module_does_not_spend_the_limit_on_its_options():
     assert lo < base
     budget = lo + (base - lo) // 2
     limit = 0.5
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TimeLimitWarning)
-        plan = solve(tree, budget, time_limit_s=limit)
-    took = time.perf_counter() - t0
-    assert took <= 3 * limit + 2.0, f"solve took {took:.1f} s under a {limit} s limit"
+    plan = _solve_within(tree, budget, limit)
     assert plan.status in ("optimal", "time_limit") and plan.decisions and plan.predicted_peak_bytes <= budget
     assert 0 <= plan.gap < 1 and plan.bound_ms <= plan.objective_ms + 1e-9
 
@@ -341,3 +331,16 @@ def test_progress_inside_a_sub_problem_shows_the_whole_search() -> None:
     assert "best 10.0000 ms, bound 8.0000 ms, gap 20.000%" in lines[0]
     assert "best 9.5000 ms, bound 8.5000 ms, gap 10.526%" in lines[1]
     assert "best 10.0000 ms, bound 7.0000 ms, gap 30.000%" in lines[2]
+
+
+def _solve_within(tree, budget, limit: float):
+    """``solve`` under ``limit`` seconds (its time-limit warning silenced), asserting it ended within 3x limit + 2 s
+    (generous: a loaded 2-core host)."""
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TimeLimitWarning)
+        plan = solve(tree, budget, time_limit_s=limit)
+    took = time.perf_counter() - t0
+    assert took <= 3 * limit + 2.0, f"solve took {took:.1f} s under a {limit} s limit"
+    return plan
+
