@@ -51,7 +51,7 @@ from torch import nn
 from sacplan.errors import ConfigError
 from sacplan.fingerprint import canonical_names, model_fingerprint
 from sacplan.blocks import repeated_blocks
-from sacplan.stats import MemoryEvent, ModelStats, ModuleStats
+from sacplan.stats import MemoryEvent, ModelStats, ModuleStats, Phase
 
 __all__ = ["shard_stats", "check_units", "each_block_units", "UnitShard"]
 
@@ -272,7 +272,7 @@ def _fsdp_events(
         grad_live = max(0, e.state_bytes - P - O)
         ag = rs = 0
         running = innermost(e.module, non_root)
-        if e.phase == "fw" or (e.phase == "other" and e.bw_started == 0):
+        if e.phase == Phase.FW or (e.phase == Phase.OTHER and e.bw_started == 0):
             done = set(stats.fw_post_order[: e.fw_done]) & set(non_root)
             open_units = set(running)
             if not reshard_after_forward:
@@ -284,10 +284,10 @@ def _fsdp_events(
             else:
                 fin = [x for x in stats.fw_post_order[: e.fw_done] if x in tab and x != ""]
                 last = fin[-1] if fin else ""
-            if e.phase == "fw":  # the root's post-forward frees it before the loss
+            if e.phase == Phase.FW:  # the root's post-forward frees it before the loss
                 ag += tab[last].allgather_buffer_bytes
             sharded = Ps + Os
-        elif e.phase in ("bw", "rc") or (e.phase == "other" and e.bw_started < n_bw):
+        elif e.phase in (Phase.BW, Phase.RC) or (e.phase == Phase.OTHER and e.bw_started < n_bw):
             started = stats.bw_pre_order[: e.bw_started]
             started_units = [u for u in bw_units_order if u in set(started)]
             run_set = set(running)

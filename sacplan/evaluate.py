@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 
 from sacplan.devices import checkpoint_state_bytes
 from sacplan.opnames import op_keys
-from sacplan.stats import ModuleStats, OpStat
+from sacplan.stats import ModuleStats, OpStat, Phase
 from sacplan.tradeoff import greedy_vertices, op_groups, recompute_surge
 from sacplan.tree import ModuleTree
 
@@ -161,12 +161,12 @@ def event_peaks(
     out = []
     for e, act in zip(st.events, active):
         base = e.peak_bytes - int(e.state_bytes * shard)
-        if e.phase == "fw":
+        if e.phase == Phase.FW:
             m = base - F[min(e.fw_done, len(F) - 1)]
-        elif e.phase in ("bw", "rc"):
+        elif e.phase in (Phase.BW, Phase.RC):
             m = base - (D - B[min(e.bw_started, len(B) - 1)])
             m += sum(overhead(st.bw_pre_order[p], pre_call[p]) for p in act if st.bw_pre_order[p] in discards)
-            if e.phase == "rc" and e.module in discards:
+            if e.phase == Phase.RC and e.module in discards:
                 m += e.extra_bytes + surges.get(e.module, 0)
         else:
             m = base

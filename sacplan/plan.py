@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from sacplan.errors import ConfigError, PlanError
+from sacplan.stats import Phase
 from sacplan.units import fmt_bytes
 
 #: Version of the dict layout produced by :meth:`Plan.to_dict`.
@@ -195,9 +196,9 @@ class Plan:
         if not where:
             return []
         phase, module = where[0], where[1] or "<top level>"
-        label = {"fw": "forward", "bw": "backward", "other": "optimizer step / loss"}.get(phase, phase)
-        lines = [f"no-checkpointing peak: {label}" + ("" if phase == "other" else f", in {module}")]
-        if phase == "other":
+        label = {Phase.FW: "forward", Phase.BW: "backward", Phase.OTHER: "optimizer step / loss"}.get(phase, phase)
+        lines = [f"no-checkpointing peak: {label}" + ("" if phase == Phase.OTHER else f", in {module}")]
+        if phase == Phase.OTHER:
             lines.append(
                 "checkpointing cannot lower that peak (no activations are live there): parameters, gradients and "
                 "optimizer state are; a fused or 8-bit optimizer, sharding them (FSDP, world_size=N) or more ranks would"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+from sacplan.stats import Phase
 from sacplan.units import GiB, MiB
 
 __all__ = ["plot_memory_timeline", "plot_tradeoff", "plot_pareto"]
@@ -36,7 +37,7 @@ def _phase_spans(phases: Sequence[str]) -> list[tuple[str, int, int]]:
     """Maximal runs of forward (``fw``) and backward (``bw``/``rc``) events: (kind, first, last+1)."""
     spans: list[tuple[str, int, int]] = []
     for i, ph in enumerate(phases):
-        kind = "forward" if ph == "fw" else "backward" if ph in ("bw", "rc") else "other"
+        kind = "forward" if ph == Phase.FW else "backward" if ph in (Phase.BW, Phase.RC) else "other"
         if spans and spans[-1][0] == kind and spans[-1][2] == i:
             spans[-1] = (kind, spans[-1][1], i + 1)
         else:

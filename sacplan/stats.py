@@ -24,11 +24,28 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Iterable, Mapping
 
 from sacplan.devices import DeviceSpec
 
 #: Memory categories tracked per allocation.
+class Phase(str, Enum):
+    """Where in the step a :class:`MemoryEvent` sits (a ``str``: events saved as ``"fw"`` etc. load unchanged).
+
+    ``FW`` forward; ``BW`` backward; ``RC`` a module's backward start, where recomputing it would add its
+    transient if it is checkpointed; ``OTHER`` loss and optimizer step (no checkpointing decision changes them).
+    """
+
+    FW = "fw"
+    BW = "bw"
+    RC = "rc"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 CATEGORIES = ("param", "buffer", "grad", "optimizer", "input", "activation", "temp", "other")
 #: Snapshot names recorded per module call.
 SNAPSHOTS = ("pre_fw", "peak_fw", "post_fw", "pre_bw", "peak_bw", "post_bw")
@@ -395,12 +412,12 @@ class ModelStats:
         inside: set[int] = set()  # swept in event order: backwards begin and end monotonically
         started = done = 0
         for e in self.events:
-            if e.phase not in ("bw", "rc"):
+            if e.phase not in (Phase.BW, Phase.RC):
                 out.append(())
                 continue
             if e.bw_done < 0:
                 p = e.bw_started - 1
-                own = e.phase == "rc" and 0 <= p < len(self.bw_pre_order) and self.bw_pre_order[p] == e.module
+                own = e.phase == Phase.RC and 0 <= p < len(self.bw_pre_order) and self.bw_pre_order[p] == e.module
                 out.append((p,) if own else ())
                 continue
             if e.bw_started < started or e.bw_done < done:  # not monotone (never seen): start over

@@ -38,6 +38,7 @@ from sacplan.collect.workspace import profiled_cpu_peak
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import ConfigError, ValidationError
 from sacplan.evaluate import Choice, predict
+from sacplan.stats import Phase
 from sacplan.tree import ModuleTree
 from sacplan.units import fmt_bytes
 
@@ -231,7 +232,7 @@ def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], 
             rec.close_segment()
             rec.recording = True
             step()
-            rec.close_segment("other")
+            rec.close_segment(Phase.OTHER)
     finally:
         for h in handles:
             h.remove()

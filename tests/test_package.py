@@ -41,3 +41,16 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_phase_is_one_enum_and_reads_old_strings():
+    """Event phases are one enum (issue 16: a string in one place, int constants in two others); it is a str, so
+    stats saved with ``"fw"``/``"bw"``/``"rc"``/``"other"`` load and compare unchanged."""
+    import json
+
+    from sacplan.stats import MemoryEvent, Phase
+
+    assert [p.value for p in Phase] == ["fw", "bw", "rc", "other"]
+    e = MemoryEvent(Phase.RC, "blk", 0, 3, 2, 10, 4, 1)
+    assert json.loads(json.dumps(e.to_dict()))["phase"] == "rc"
+    assert MemoryEvent("rc", "blk", 0, 3, 2, 10, 4, 1).phase == Phase.RC and str(Phase.BW) == "bw"

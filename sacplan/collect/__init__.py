@@ -26,7 +26,7 @@ from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRe
 from sacplan.devices import DeviceSpec, get_device
 from sacplan.errors import CollectionError, ConfigError, UnsupportedModelError
 from sacplan.fingerprint import input_shapes_of, model_fingerprint
-from sacplan.stats import CATEGORIES, MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat
+from sacplan.stats import CATEGORIES, MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, Phase
 from sacplan.tradeoff import DEFAULT_MAX_LINES, build_tradeoff
 
 __all__ = ["collect", "default_loss", "default_optimizer"]
@@ -159,10 +159,10 @@ def collect(
         out = call_model(fmodel, args)
         l = loss(out, args)
         del out
-        recorder.close_segment("fw")
+        recorder.close_segment(Phase.FW)
         l.backward()
         del l
-        recorder.close_segment("bw")
+        recorder.close_segment(Phase.BW)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -190,7 +190,7 @@ def collect(
             recorder.recording = True
             say("recorded step")
             step()
-            recorder.close_segment("other")
+            recorder.close_segment(Phase.OTHER)
             recorder.recording = False
     except (CollectionError, ConfigError, UnsupportedModelError):
         raise
@@ -376,7 +376,7 @@ def _install_state_hooks(
     if opt is not None:
 
         def pre(o: Any, args: Any, kwargs: Any) -> None:
-            rec.close_segment("bw" if not rec.in_optimizer else "other")
+            rec.close_segment(Phase.BW if not rec.in_optimizer else Phase.OTHER)
             rec.in_optimizer = True
 
         def post(o: Any, args: Any, kwargs: Any) -> None:
@@ -384,7 +384,7 @@ def _install_state_hooks(
                 rec.relabel([v for v in state.values() if isinstance(v, torch.Tensor)], OPT)
             if cuda_target:
                 rec.untrack(host_state_tensors(o))
-            rec.close_segment("other")
+            rec.close_segment(Phase.OTHER)
             rec.in_optimizer = False
 
         handles.append(opt.register_step_pre_hook(pre))
@@ -461,9 +461,9 @@ def _merge_events(recorder: StepRecorder) -> tuple[MemoryEvent, ...]:
     events: list[MemoryEvent] = []
     for s in recorder.segments:
         state = s.cats[PARAM] + s.cats[GRAD] + s.cats[OPT]
-        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started if s.phase != "fw" else 0, s.peak, state, s.extra,
-                         bw_done=s.bw_done if s.phase != "fw" else 0)
-        if events and s.phase != "rc":
+        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started if s.phase != Phase.FW else 0, s.peak, state, s.extra,
+                         bw_done=s.bw_done if s.phase != Phase.FW else 0)
+        if events and s.phase != Phase.RC:
             last = events[-1]
             if (last.phase, last.fw_done, last.bw_started, last.bw_done) == (ev.phase, ev.fw_done, ev.bw_started, ev.bw_done):
                 if ev.peak_bytes > last.peak_bytes:

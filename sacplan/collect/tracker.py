@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from sacplan.collect.runtime import RuntimeModel, op_flops
 from sacplan.collect.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
-from sacplan.stats import CATEGORIES
+from sacplan.stats import CATEGORIES, Phase
 
 try:  # torch >= 2.4
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
@@ -195,7 +195,7 @@ class StepRecorder(TorchDispatchMode):
         self.seg_cats: tuple[int, ...] = tuple(self.live)
         self.step_peak = 0
         self.step_peak_cats: tuple[int, ...] = tuple(self.live)
-        self.step_peak_where: tuple[str, str] = ("fw", "")
+        self.step_peak_where: tuple[str, str] = (Phase.FW, "")
         # module calls
         self.calls: list[CallRecord] = []
         self.call_count: dict[str, int] = {}
@@ -324,16 +324,16 @@ class StepRecorder(TorchDispatchMode):
     # ------------------------------------------------------------------ timeline ------------------
     def _phase(self) -> str:
         if self.in_optimizer:
-            return "other"
-        return "bw" if torch._C._current_graph_task_id() != -1 else "fw"
+            return Phase.OTHER
+        return Phase.BW if torch._C._current_graph_task_id() != -1 else Phase.FW
 
     def close_segment(self, phase: str | None = None) -> None:
         """End the current stretch of the timeline and start a new one at the current live bytes."""
         if self.recording:
             phase = phase or self._phase()
-            if self.fw_stack and phase == "fw":
+            if self.fw_stack and phase == Phase.FW:
                 mod, call = self.fw_stack[-1].fqn, self.fw_stack[-1].call
-            elif self.bw_active and phase == "bw":
+            elif self.bw_active and phase == Phase.BW:
                 mod, call = self.bw_active[-1].fqn, self.bw_active[-1].call
             else:
                 mod, call = "", 0
@@ -445,7 +445,7 @@ class StepRecorder(TorchDispatchMode):
         if not self.recording:
             self._register_bw_post(mod, fqn, inputs, None)
             return
-        self.close_segment("fw")
+        self.close_segment(Phase.FW)
         call = self.call_count.get(fqn, 0)
         self.call_count[fqn] = call + 1
         parent = self.fw_stack[-1] if self.fw_stack else None
@@ -484,7 +484,7 @@ class StepRecorder(TorchDispatchMode):
         if not self.fw_stack or self.fw_stack[-1].fqn != fqn:
             return  # unbalanced (forward raised in a child); ignore
         rec = self.fw_stack[-1]
-        self.close_segment("fw")
+        self.close_segment(Phase.FW)
         rec.op_end = len(self.ops)
         rec.post_fw = self.snapshot()
         peak = max((self.segments[i] for i in range(rec.event_fw_start, len(self.segments))), key=lambda s: s.peak, default=None)
@@ -529,7 +529,7 @@ class StepRecorder(TorchDispatchMode):
             self._maybe_queue_callback()
             if rec is None or not self.recording:
                 return
-            self.close_segment("bw")
+            self.close_segment(Phase.BW)
             rec.pre_bw = self.snapshot()
             rec.event_bw_start = len(self.segments)
             self.bw_pre_order.append(rec.fqn)
@@ -544,7 +544,7 @@ class StepRecorder(TorchDispatchMode):
             top = max((o.live for o in ran), default=0)
             extra = max(0, top - (sum(rec.post_fw) - rec.out_new_bytes)) if ran else 0
             self.segments.append(
-                Segment("rc", rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
+                Segment(Phase.RC, rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
                         extra=extra, bw_done=len(self.bw_post_order))
             )
 
@@ -560,10 +560,10 @@ class StepRecorder(TorchDispatchMode):
             if rec.bw_post_fn is not done:
                 return  # superseded by a registration that also waits for keyword-argument gradients
             rec.bw_done = True
-            self.close_segment("bw")
+            self.close_segment(Phase.BW)
             rec.post_bw = self.snapshot()
             span = self.segments[rec.event_bw_start :]
-            peak = max((s for s in span if s.phase == "bw"), key=lambda s: s.peak, default=None)
+            peak = max((s for s in span if s.phase == Phase.BW), key=lambda s: s.peak, default=None)
             rec.peak_bw = peak.cats if peak is not None and peak.peak > sum(rec.pre_bw) else rec.pre_bw
             self.bw_post_order.append(rec.fqn)
             if rec in self.bw_active:

@@ -49,15 +49,15 @@ from sacplan.solve.limits import (
     lifted,
     time_limit_message,
 )
-from sacplan.stats import ModuleStats
+from sacplan.stats import ModuleStats, Phase
 from sacplan.tradeoff import recompute_surge
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
 
 
-_PHASES = {"fw": 0, "bw": 1, "rc": 2, "other": 3}
-FW, BW, RC, OTHER = 0, 1, 2, 3
+FW, BW, RC, OTHER = 0, 1, 2, 3  # phase codes in the event arrays
+_PHASES = {Phase.FW: FW, Phase.BW: BW, Phase.RC: RC, Phase.OTHER: OTHER}
 
 
 #: Seconds the heuristic may spend on a min-peak MILP for its first plan when its roundings all fail, even when
@@ -310,7 +310,7 @@ class SacProblem:
             from sacplan.stats import MemoryEvent
 
             events = [
-                MemoryEvent("other", "", 0, 0, 0, int(st.peak_bytes), int(st.peak_snapshot.state)),
+                MemoryEvent(Phase.OTHER, "", 0, 0, 0, int(st.peak_bytes), int(st.peak_snapshot.state)),
             ]
         slot_by_fqn = {c.fqn: c.slot for c in self.candidates}
         n = len(events)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from sacplan.devices import DeviceSpec
-from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, TradeOff
+from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, Phase, TradeOff
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB
 
@@ -208,7 +208,7 @@ def build_stats(
         ch1, ch2 = a // 2, a - a // 2
         # chunk 1
         peak = live["act"] + ch1 + sp.tmp
-        events.append(MemoryEvent("fw", nodes[i].fqn, c, fw_counter, 0, peak + state(), state()))
+        events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, fw_counter, 0, peak + state(), state()))
         live["act"] += ch1
         max_trans = sp.tmp
         ms = sp.fw_ms
@@ -218,7 +218,7 @@ def build_stats(
                 max_trans = max(max_trans, t)
                 ms += m
         peak2 = live["act"] + ch2 + sp.tmp
-        events.append(MemoryEvent("fw", nodes[i].fqn, c, fw_counter, 0, peak2 + state(), state()))
+        events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, fw_counter, 0, peak2 + state(), state()))
         live["act"] += ch2
         fw_post.append(nodes[i].fqn)
         fw_counter += 1
@@ -233,7 +233,7 @@ def build_stats(
     for _ in range(root.repeat):
         fw(0)
     # loss: forward is complete, all activations still live
-    events.append(MemoryEvent("fw", "", 0, fw_counter, 0, live["act"] + loss_tmp + state(), state()))
+    events.append(MemoryEvent(Phase.FW, "", 0, fw_counter, 0, live["act"] + loss_tmp + state(), state()))
 
     # backward: module calls in reverse order of their forward end, parents before their children
     bw_counter = 0
@@ -262,7 +262,7 @@ def build_stats(
         half = sp.params // 2
         extra = trans_calls[i][c]
         events.append(
-            MemoryEvent("rc", nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + half + state(), state() + half, extra)
+            MemoryEvent(Phase.RC, nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + half + state(), state() + half, extra)
         )
         live["act"] -= ch2 + sp.out
         live["grad"] += half
@@ -270,7 +270,7 @@ def build_stats(
         for kid in reversed(kids):
             bw(kid)
         events.append(
-            MemoryEvent("bw", nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + (sp.params - half) + state(), state() + sp.params - half)
+            MemoryEvent(Phase.BW, nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + (sp.params - half) + state(), state() + sp.params - half)
         )
         live["act"] -= ch1
         live["grad"] += sp.params - half
@@ -280,7 +280,7 @@ def build_stats(
     for item in reversed(roots):
         bw(item)
     opt_tmp = opt // 4
-    events.append(MemoryEvent("other", "", 0, fw_counter, bw_counter, state() + live["act"] + opt_tmp, state()))
+    events.append(MemoryEvent(Phase.OTHER, "", 0, fw_counter, bw_counter, state() + live["act"] + opt_tmp, state()))
 
     modules = []
     for i, nd in enumerate(nodes):
@@ -382,10 +382,10 @@ def hand_tree(*, state_bytes: int = 0, world_size: int = 1) -> ModuleTree:
     )
     sb = state_bytes
     events = [
-        MemoryEvent("fw", "", 0, 3, 0, 10 * GiB + sb, sb),
-        MemoryEvent("rc", "b1", 0, 3, 2, 10 * GiB + sb, sb, 1 * GiB),
-        MemoryEvent("bw", "b0", 0, 3, 3, 6 * GiB + sb, sb),
-        MemoryEvent("other", "", 0, 3, 3, 3 * GiB + sb, sb),
+        MemoryEvent(Phase.FW, "", 0, 3, 0, 10 * GiB + sb, sb),
+        MemoryEvent(Phase.RC, "b1", 0, 3, 2, 10 * GiB + sb, sb, 1 * GiB),
+        MemoryEvent(Phase.BW, "b0", 0, 3, 3, 6 * GiB + sb, sb),
+        MemoryEvent(Phase.OTHER, "", 0, 3, 3, 3 * GiB + sb, sb),
     ]
     st = manual_stats(
         [("", None, (8 * GiB,), None), ("b0", "", (4 * GiB,), tr), ("b1", "", (4 * GiB,), tr)],
