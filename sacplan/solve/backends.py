@@ -762,3 +762,30 @@ def prove_by_lp_branching(
         f"optimal (incumbent meets the LP bounds of {nodes} count node(s))",
     )
 
+
+def lp_solver(solver: str) -> str:
+    """Auxiliary problems (the heuristic's LPs, op-level knapsacks) run in-process with HiGHS when highspy is
+    installed (a CBC call costs a subprocess and an MPS file each); the module-level MILP always runs on
+    the solver asked for."""
+    try:
+        import highspy  # noqa: F401
+
+        return "highs"
+    except ImportError:  # pragma: no cover - depends on the environment
+        return solver
+
+
+def relaxed(model: MilpModel) -> MilpModel:
+    """A copy of ``model`` with every column continuous (its LP relaxation)."""
+    lp = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in model.__dict__.items()})
+    lp.col_int = [False] * model.num_cols
+    return lp
+
+
+def relaxed_with_fixed(model: MilpModel, values: Mapping[int, float]) -> MilpModel:
+    """The LP relaxation of ``model`` with the given columns fixed to the given values."""
+    m = relaxed(model)
+    for j, v in values.items():
+        m.col_lb[j] = m.col_ub[j] = float(v)
+    return m
+

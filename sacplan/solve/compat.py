@@ -254,10 +254,10 @@ def _graph_milp(
         prev_col, prev_kc = col, kc
     # ---- warm start: LP relaxation, round, re-solve the ratios -------------------------------------------
     warm, lp_bound = _warm_start(model, cand, y, parent_c, solver)
-    from sacplan.solve.milp import _lp_solver
+    from sacplan.solve.backends import lp_solver
 
     proven = prove_by_lp_branching(
-        model, warm, [k for k, _ in kcols], gap_rel=gap_rel, lp_solver=_lp_solver(solver), root_bound=lp_bound,
+        model, warm, [k for k, _ in kcols], gap_rel=gap_rel, lp_solver=lp_solver(solver), root_bound=lp_bound,
         solver_name=solver,
     )
     res = proven or solve_model(
@@ -304,10 +304,10 @@ def _ratio_up(r: float) -> float:
 
 
 def _warm_start(model: MilpModel, cand: list[int], y: dict[int, int], parent_c: dict[int, int], solver: str):
-    from sacplan.solve.milp import _fix_y_cols, _lp_solver, _relaxed
+    from sacplan.solve.backends import lp_solver, relaxed, relaxed_with_fixed
 
-    lp_solver = _lp_solver(solver)
-    lp = solve_model(_relaxed(model), lp_solver)
+    aux = lp_solver(solver)
+    lp = solve_model(relaxed(model), aux)
     if lp.x is None:
         return None, None
     yl = {i: lp.x[y[i]] for i in cand}
@@ -331,8 +331,8 @@ def _warm_start(model: MilpModel, cand: list[int], y: dict[int, int], parent_c: 
                     chosen.discard(j)
                     break
                 p = parent_c[p]
-        fixed = _fix_y_cols(model, {y[i]: (1.0 if i in chosen else 0.0) for i in cand})
-        sub = solve_model(fixed, lp_solver)
+        fixed = relaxed_with_fixed(model, {y[i]: (1.0 if i in chosen else 0.0) for i in cand})
+        sub = solve_model(fixed, aux)
         if sub.x is None:
             continue
         x = list(sub.x)

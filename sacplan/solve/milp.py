@@ -36,8 +36,11 @@ from sacplan.solve.backends import (
     SolveResult,
     check_solver,
     interrupted_result,
-    relative_gap,
+    lp_solver,
     prove_by_lp_branching,
+    relative_gap,
+    relaxed,
+    relaxed_with_fixed,
     solve_model,
 )
 from sacplan.solve import limits
@@ -393,7 +396,7 @@ class SacProblem:
                     [p[0] for p in t.points],
                     recompute_stop=st.recompute_stop or None,
                     max_options=self.max_options,
-                    solver=_lp_solver(self._solver),
+                    solver=lp_solver(self._solver),
                 )
                 self._options[key] = out  # type: ignore[index]
         self._options[slot] = out
@@ -890,7 +893,7 @@ class SacProblem:
         LP relaxation's objective (a lower bound of the MILP's)."""
         if self.num_candidates == 0:
             return None, None
-        solver = _lp_solver(solver)
+        solver = lp_solver(solver)
         left = limits.remaining()  # what the call's budget has left for the local descent after the first plan
         with lifted():  # LPs only: the first plan comes even from a spent time budget
             return self._heuristic(model, idx, budget, solver, threads, time_limit_s, left)
@@ -900,7 +903,7 @@ class SacProblem:
         time_limit_s: float | None, left: float | None = None,
     ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
         t0 = time.perf_counter()
-        lp = _relaxed(model)
+        lp = relaxed(model)
         res = solve_model(lp, solver, threads=threads)
         if res.x is None:
             return None, None
@@ -1181,34 +1184,8 @@ def _envelope(slopes: tuple[float, ...], intercepts: tuple[float, ...]) -> tuple
     return tuple(x for x, _ in kept), tuple(y for _, y in kept)
 
 
-def _lp_solver(solver: str) -> str:
-    """Auxiliary problems (the heuristic's LPs, op-level knapsacks) run in-process with HiGHS when highspy is
-    installed (a CBC call costs a subprocess and an MPS file each); the module-level MILP always runs on
-    the solver asked for."""
-    try:
-        import highspy  # noqa: F401
-
-        return "highs"
-    except ImportError:  # pragma: no cover - depends on the environment
-        return solver
-
-
-def _relaxed(model: MilpModel) -> MilpModel:
-    lp = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in model.__dict__.items()})
-    lp.col_int = [False] * model.num_cols
-    return lp
-
-
 def _fix_y(model: MilpModel, idx: _Index, y: np.ndarray) -> MilpModel:
-    return _fix_y_cols(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
-
-
-def _fix_y_cols(model: MilpModel, values: dict[int, float]) -> MilpModel:
-    """The LP relaxation of ``model`` with the given columns fixed."""
-    m = _relaxed(model)
-    for j, v in values.items():
-        m.col_lb[j] = m.col_ub[j] = float(v)
-    return m
+    return relaxed_with_fixed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -1313,7 +1290,7 @@ def _recompute_lower_bound(
         raise infeasible()
     if not math.isfinite(res.bound):  # stopped before its root bound: the LP relaxation's, weaker but valid
         with lifted():  # one LP: a bound even from a spent budget
-            lp = solve_model(_relaxed(model), _lp_solver(solver), threads=threads)
+            lp = solve_model(relaxed(model), lp_solver(solver), threads=threads)
         if lp.status == INFEASIBLE:
             raise infeasible()
         if lp.status != OPTIMAL:
@@ -1652,7 +1629,7 @@ def _solve_budget_model(
     while True:
         remaining = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - t0))
         proven = prove_by_lp_branching(
-            model, warm, counts, gap_rel=gap_rel, lp_solver=_lp_solver(solver), root_bound=lp_bound if not cuts else None,
+            model, warm, counts, gap_rel=gap_rel, lp_solver=lp_solver(solver), root_bound=lp_bound if not cuts else None,
             solver_name=solver,
         )
         res = proven or solve_model(
@@ -1725,7 +1702,7 @@ def _realise(
                 sel = select_ops(
                     st.ops,
                     max_saved_bytes_for(ratio, A),
-                    solver=_lp_solver(solver),
+                    solver=lp_solver(solver),
                     recompute_stop=st.recompute_stop or None,
                 )
             except InfeasibleBudgetError:
