@@ -23,7 +23,7 @@ from sacplan.errors import (
     UnknownDeviceError,
     UnsupportedModelError,
 )
-from sacplan.units import parse_budget
+from sacplan.units import Bytes, parse_budget
 
 __version__ = "0.1.0"
 
@@ -84,7 +84,7 @@ _LAZY = {
 
 
 __all__ = [
-    "BudgetError", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
+    "BudgetError", "Bytes", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
     "MemoryEvent", "ModelStats", "ModuleStats", "ModuleTree", "OpStat", "PlanError", "PlanMismatchError",
     "SacplanError", "SolverError", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
     "apply_plan", "baseline_peak", "certify", "collect", "fit_to_budget", "get_device", "list_devices", "load_plan", "min_feasible_budget",

@@ -35,12 +35,15 @@ class InfeasibleBudgetError(SacplanError):
 
     Attributes:
         budget_bytes: the budget asked for, in bytes.
-        min_feasible_bytes: the smallest budget (bytes) for which a plan exists under the same model.
+        min_feasible_bytes: the smallest budget (bytes) for which a plan exists under the same model; a
+            :class:`~sacplan.units.Bytes`, so ``solve(tree, err.min_feasible_bytes)`` reads it as bytes.
     """
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, detail: str = "") -> None:
+        from sacplan.units import Bytes  # units imports this module
+
         self.budget_bytes = int(budget_bytes)
-        self.min_feasible_bytes = int(min_feasible_bytes)
+        self.min_feasible_bytes = Bytes(min_feasible_bytes)
         gib = 2**30
         msg = (
             f"memory budget {budget_bytes / gib:.3f} GiB ({budget_bytes} bytes) is infeasible: the smallest "

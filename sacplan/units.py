@@ -37,6 +37,22 @@ _UNITS = {
 #: 1 MiB, and none is over 1 PiB).
 PLAIN_NUMBER_GIB_LIMIT = MiB
 
+class Bytes(int):
+    """An ``int`` that is a number of bytes whatever its size.
+
+    sacplan returns its own byte figures (:func:`~sacplan.solve.min_feasible_budget`,
+    :func:`~sacplan.solve.baseline_peak`) as ``Bytes`` so that they go straight back into a budget argument:
+    :func:`parse_budget` reads a plain number below 1 MiB as GiB, which would turn a small model's
+    900,000-byte minimum into 838 TiB. Arithmetic on a ``Bytes`` gives a plain ``int`` (read by the plain
+    rule again); wrap a derived figure in ``Bytes(...)`` to keep it in bytes.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Bytes({int(self)})"
+
+
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
 
@@ -44,6 +60,7 @@ def parse_budget(budget: int | float | str, capacity_bytes: int | None = None) -
     """Turn a user budget into bytes.
 
     Accepted forms:
+      * :class:`Bytes` (what sacplan's own byte figures are): bytes at any size;
       * ``int``/``float`` (numpy scalars included) below 1 MiB (1,048,576): GiB, e.g. ``40`` or ``40.5``;
       * ``int``/``float`` at or above 1 MiB: bytes, e.g. ``42949672960``;
       * strings with a unit: ``"40GiB"``, ``"42.9GB"``, ``"512MiB"``, ``"1e10B"``, ``"40"`` (GiB);
@@ -73,6 +90,8 @@ def _budget_bytes(budget: object, capacity_bytes: int | None) -> int:
     """Bytes of ``budget`` (see :func:`parse_budget`), without the capacity check."""
     if isinstance(budget, bool):
         raise BudgetError(f"memory budget must be a number or a string like '40GiB', got {budget!r}")
+    if isinstance(budget, Bytes):
+        return int(budget)
     if isinstance(budget, numbers.Real):
         try:
             value = float(budget)

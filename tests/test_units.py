@@ -102,3 +102,13 @@ def test_fmt_bytes(n, unit, text):
 
 def test_gib():
     assert gib(3 * GiB) == 3.0 and gib(GiB // 2) == 0.5
+
+
+@pytest.mark.parametrize("n", [1, 978_760, MiB, 40 * GiB])
+def test_bytes_from_sacplan_are_read_as_bytes_at_any_size(n):
+    from sacplan.units import Bytes
+
+    assert parse_budget(Bytes(n)) == n  # a plain 978_760 would be 978,760 GiB
+    assert parse_budget(n) == (n * GiB if n < PLAIN_NUMBER_GIB_LIMIT else n)
+    assert repr(Bytes(n)) == f"Bytes({n})" and Bytes(n) == n
+    assert type(Bytes(n) + 1) is int  # derived figures fall back to the plain rule

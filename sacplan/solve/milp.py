@@ -56,7 +56,7 @@ from sacplan.stats import ModuleStats, Phase
 from sacplan.tradeoff import recompute_surge
 from sacplan.solve.ops import ModuleOptions, fractional_lines, max_saved_bytes_for, module_options, select_ops
 from sacplan.tree import ModuleTree
-from sacplan.units import GiB, parse_budget
+from sacplan.units import Bytes, GiB, parse_budget
 
 
 FW, BW, RC, OTHER = 0, 1, 2, 3  # phase codes in the event arrays
@@ -1191,9 +1191,10 @@ def _fix_y(model: MilpModel, idx: _Index, y: np.ndarray) -> MilpModel:
 # -----------------------------------------------------------------------------------------------------------
 # public entry points
 # -----------------------------------------------------------------------------------------------------------
-def baseline_peak(tree: ModuleTree, world_size: int | None = None) -> int:
-    """Predicted per-rank peak bytes without checkpointing (``max_e peak_e - S_e``), rounded up."""
-    return int(math.ceil(SacProblem(tree, world_size).baseline_peak() - 1e-6))
+def baseline_peak(tree: ModuleTree, world_size: int | None = None) -> Bytes:
+    """Predicted per-rank peak bytes without checkpointing (``max_e peak_e - S_e``), rounded up; a
+    :class:`~sacplan.units.Bytes`, so it is read as bytes when passed back as a budget."""
+    return Bytes(math.ceil(SacProblem(tree, world_size).baseline_peak() - 1e-6))
 
 
 def _min_peak(
@@ -1225,8 +1226,11 @@ def min_feasible_budget(
     solver: str = "auto",
     threads: int | None = None,
     time_limit_s: float | None = DEFAULT_SOLVE_S,
-) -> int:
+) -> Bytes:
     """Smallest budget (bytes) any plan meets: the optimum of the MILP minimising the predicted peak.
+
+    A :class:`~sacplan.units.Bytes`: pass it straight back as ``solve(tree, min_feasible_budget(tree))``,
+    read as bytes even for a small model whose minimum is under 1 MiB.
 
     ``time_limit_s`` (s, default 60; None: none) bounds the call; stopped there, the peak of the best plan found
     is returned (a budget some plan meets, not proven the smallest)."""
@@ -1234,7 +1238,7 @@ def min_feasible_budget(
     limit = check_time_limit(time_limit_s)
     with deadline(limit):
         problem = SacProblem(tree, world_size, ac_units, fsdp_units)
-        return _min_peak(problem, solver, threads)[0]
+        return Bytes(_min_peak(problem, solver, threads)[0])
 
 
 def recompute_lower_bound(

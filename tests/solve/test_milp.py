@@ -323,3 +323,27 @@ def test_missing_solver_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "highspy", None)  # import highspy -> ImportError
     with pytest.raises(SolverError, match="pip install highspy"):
         solve(hand_tree(), 8, ac_units=UNITS, solver="highs")
+
+
+def test_min_feasible_budget_of_a_tiny_model_goes_straight_back_into_solve():
+    """A model whose whole step is under 1 MiB: its minimum (bytes) read as GiB was a 900-TiB budget that
+    needed no checkpointing; as sacplan's Bytes it is the binding budget it is."""
+    import torch
+    from torch import nn
+
+    from sacplan.collect import collect
+    from sacplan.tree import ModuleTree
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    model = nn.Sequential(nn.Linear(16, 64), *[block() for _ in range(3)], nn.Linear(64, 16))
+    tree = ModuleTree(collect(model, torch.randn(64, 16), device="cpu", optimizer=False))
+    lo, peak = min_feasible_budget(tree), baseline_peak(tree)
+    assert lo < peak < 2**20
+    plan = solve(tree, lo)
+    assert plan.predicted_peak_bytes <= lo and plan.decisions  # binding: something is checkpointed
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(tree, type(lo)(lo - 4096))
+    assert err.value.min_feasible_bytes == lo
+    assert solve(tree, err.value.min_feasible_bytes).predicted_peak_bytes <= lo
