@@ -52,6 +52,9 @@ class Bytes(int):
     def __repr__(self) -> str:
         return f"Bytes({int(self)})"
 
+    def __str__(self) -> str:  # f"{n}B", str(n), json: the plain digits
+        return int.__repr__(self)
+
 
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 

@@ -111,4 +111,8 @@ def test_bytes_from_sacplan_are_read_as_bytes_at_any_size(n):
     assert parse_budget(Bytes(n)) == n  # a plain 978_760 would be 978,760 GiB
     assert parse_budget(n) == (n * GiB if n < PLAIN_NUMBER_GIB_LIMIT else n)
     assert repr(Bytes(n)) == f"Bytes({n})" and Bytes(n) == n
+    assert f"{Bytes(n)}B" == str(Bytes(n)) + "B" == f"{n}B" and parse_budget(f"{Bytes(n)}B") == n
+    import json
+
+    assert json.dumps({"b": Bytes(n)}) == json.dumps({"b": n})
     assert type(Bytes(n) + 1) is int  # derived figures fall back to the plain rule
