@@ -5,28 +5,23 @@ choice — a solver plan, full checkpointing of every block, a fixed op save-lis
 so every alternative is judged by one model, and a plan made on one host can be re-evaluated on stats
 collected on another (ops are matched by ``(family, occurrence)``, see :mod:`sacplan.opnames`).
 
-For event ``e`` with baseline ``peak_e`` and sharded state ``S_e`` (params + grads + optimizer state,
-removed ``(1 - 1/world_size)`` when FSDP shards them), and per-call discards ``d``:
-
-* forward:   ``peak_e - S_e - F[fw_done_e]``               (discards of calls whose forward finished)
-* backward:  ``peak_e - S_e - (D - B[bw_started_e])``       (discards not yet re-materialised)
-* rc (backward start of call ``j``): the backward value plus ``extra_e`` if ``j`` is checkpointed
-* other:     ``peak_e - S_e``
-
-where each checkpointed call's discard is its saved-tensor bytes freed minus what checkpointing keeps:
-:func:`~sacplan.devices.checkpoint_state_bytes` (the RNG state checkpoint stashes; host-CPU targets only) and
-the call's :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs nothing saves, held for recompute), and
-``F`` / ``B`` are running sums of ``d`` along ``fw_post_order`` / ``bw_pre_order`` and ``D`` their total.
+The memory model itself (events, running sums, what a checkpointed call keeps) lives in
+:mod:`sacplan.timeline`; this module turns a choice into per-call discards, recompute time and FLOPs
+(:func:`module_outcome`) and asks the timeline for the peaks (:func:`event_peaks`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from sacplan.devices import checkpoint_state_bytes
 from sacplan.opnames import op_keys
-from sacplan.stats import ModuleStats, OpStat, Phase
+from sacplan.stats import ModuleStats, OpStat
+from sacplan.timeline import RC, Timeline
 from sacplan.tradeoff import greedy_vertices, op_groups, recompute_surge
 from sacplan.tree import ModuleTree
 
@@ -119,7 +114,8 @@ def event_peaks(
     world_size: int | None = None,
     surges: Mapping[str, int] | None = None,
 ) -> list[int]:
-    """Predicted bytes at every event of ``tree.stats.events`` for per-call ``discards`` (fqn → bytes per call).
+    """Predicted bytes at every event of the step's timeline (:class:`~sacplan.timeline.Timeline`) for per-call
+    ``discards`` (fqn → bytes per call), rounded up to whole bytes.
 
     Every module in ``discards`` is checkpointed: each of its calls also keeps
     :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU)
@@ -128,50 +124,28 @@ def event_peaks(
     recompute transient (``extra_bytes``) plus ``surges[fqn]`` (bytes a selective recomputation peaks above
     the forward, :attr:`ModuleOutcome.surge_bytes`).
     """
-    st = tree.stats
+    tl = Timeline.of(tree.stats, world_size)
     surges = surges or {}
-    ck = checkpoint_state_bytes(st.device)  # kept per checkpointed call besides saved tensors (CPU target)
-    ws = world_size or st.world_size
-    shard = 1.0 - st.world_size / ws if ws > st.world_size else 0.0
+    ck = checkpoint_state_bytes(tree.stats.device)  # kept per checkpointed call besides saved tensors (CPU target)
 
-    def running(order: Sequence[str]) -> list[int]:
-        seen: dict[str, int] = {}
-        sums = [0]
-        for fqn in order:
-            c = seen.get(fqn, 0)
-            seen[fqn] = c + 1
-            d = discards.get(fqn)
-            sums.append(sums[-1] + (d[c] - overhead(fqn, c) if d is not None and c < len(d) else 0))
-        return sums
-
-    def overhead(fqn: str, call: int) -> int:
+    def kept(fqn: str, call: int) -> int:
         held = tree.node(fqn).stats.held_input_bytes
         return ck + (held[call] if call < len(held) else 0)
 
-    F = running(st.fw_post_order)
-    B = running(st.bw_pre_order)
-    D = B[-1]
-    # calls inside their backward keep their overhead until it ends (recomputed discards are back in ``base``)
-    pre_call = []
-    seen: dict[str, int] = {}
-    for fqn in st.bw_pre_order:
-        pre_call.append(seen.get(fqn, 0))
-        seen[fqn] = pre_call[-1] + 1
-    active = st.backward_active()
-    out = []
-    for e, act in zip(st.events, active):
-        base = e.peak_bytes - int(e.state_bytes * shard)
-        if e.phase == Phase.FW:
-            m = base - F[min(e.fw_done, len(F) - 1)]
-        elif e.phase in (Phase.BW, Phase.RC):
-            m = base - (D - B[min(e.bw_started, len(B) - 1)])
-            m += sum(overhead(st.bw_pre_order[p], pre_call[p]) for p in act if st.bw_pre_order[p] in discards)
-            if e.phase == Phase.RC and e.module in discards:
-                m += e.extra_bytes + surges.get(e.module, 0)
-        else:
-            m = base
-        out.append(m)
-    return out
+    def freed(entries: Sequence[tuple[str, int]]) -> np.ndarray:
+        out = np.zeros(len(entries))
+        for k, (fqn, c) in enumerate(entries):
+            d = discards.get(fqn)
+            if d is not None and c < len(d):
+                out[k] = d[c] - kept(fqn, c)
+        return out
+
+    bw_kept = np.asarray([kept(f, c) if f in discards else 0 for f, c in tl.bw_entries], dtype=float)
+    added = tl.held(bw_kept)
+    for i, (ph, fqn) in enumerate(zip(tl.phase, tl.module)):
+        if ph == RC and fqn in discards:
+            added[i] += tl.extra[i] + surges.get(fqn, 0)
+    return [int(math.ceil(m - 1e-6)) for m in tl.peaks(freed(tl.fw_entries), freed(tl.bw_entries), added)]
 
 
 def predict(

@@ -1,0 +1,157 @@
+"""The step's memory timeline: sacplan's one memory model.
+
+Every question "what is the peak of this step under this checkpointing choice?" is answered here, by
+:meth:`Timeline.peaks`: the solver's exact evaluation (:class:`sacplan.solve.milp.SacProblem`), the evaluation
+of any given choice (:func:`sacplan.evaluate.event_peaks`, used by validate, the alternatives and the plots)
+and, through the same event arrays, the MILP's rows.
+
+For event ``e`` (a :class:`~sacplan.stats.MemoryEvent`) with recorded peak ``peak_e`` and state ``S_e``
+(params + grads + optimizer state), planned for ``world_size`` ranks when the stats hold ``w0``:
+
+* ``base_e = peak_e - S_e·(1 - w0/world_size)`` (FSDP's per-rank state scales with ``1/world_size``);
+* forward:   ``base_e - F[fw_done_e]``          (what calls whose forward finished freed);
+* backward and rc: ``base_e - (D - B[bw_started_e])``  (what calls not yet re-materialised freed);
+* other:     ``base_e``;
+
+plus whatever a choice adds at an event (``added``): the overhead of checkpointed calls inside their backward
+there (:meth:`Timeline.held`) and, at a checkpointed call's rc event, its recompute transient and surge. ``F``
+and ``B`` are running sums of the bytes each module call frees (discard minus what checkpointing keeps for it)
+along ``fw_post_order`` and ``bw_pre_order``; ``D`` is ``B``'s total. All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from sacplan.errors import ConfigError
+from sacplan.stats import MemoryEvent, ModelStats, Phase
+
+#: phase codes of :attr:`Timeline.phase`
+FW, BW, RC, OTHER = 0, 1, 2, 3
+PHASE_CODES = {Phase.FW: FW, Phase.BW: BW, Phase.RC: RC, Phase.OTHER: OTHER}
+
+
+def check_world_size(world_size: object) -> int:
+    """``world_size`` as an int >= 1, or :class:`~sacplan.errors.ConfigError` saying what is wrong."""
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    return int(world_size)
+
+
+def call_entries(order: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """``(fqn, call)`` of each entry of a module-call order: the call is that fqn's occurrence count so far."""
+    seen: dict[str, int] = {}
+    out = []
+    for f in order:
+        c = seen.get(f, 0)
+        seen[f] = c + 1
+        out.append((f, c))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """The memory events of one collected step, planned for ``world_size`` ranks (arrays are per event).
+
+    Attributes:
+        world_size: ranks planned for.
+        state_keep: state bytes kept per rank relative to the collected ones (``w0 / world_size``).
+        phase: phase code per event (:data:`FW`, :data:`BW`, :data:`RC`, :data:`OTHER`).
+        module: fqn of the module running at each event.
+        base: bytes at each event without checkpointing, state scaled to ``world_size`` (float).
+        pos: forward events: ``fw_done`` clamped to the order's length; backward/rc: ``bw_started``; else 0.
+        extra: recompute transient bytes at rc events (``MemoryEvent.extra_bytes``), 0 elsewhere.
+        fw_entries, bw_entries: ``(fqn, call)`` along ``fw_post_order`` / ``bw_pre_order``.
+        active_event, active_pos: pairs (event, position in ``bw_pre_order``) of the calls inside their backward
+            at that event (:meth:`~sacplan.stats.ModelStats.backward_active`).
+    """
+
+    world_size: int
+    state_keep: float
+    phase: np.ndarray
+    module: tuple[str, ...]
+    base: np.ndarray
+    pos: np.ndarray
+    extra: np.ndarray
+    fw_entries: tuple[tuple[str, int], ...]
+    bw_entries: tuple[tuple[str, int], ...]
+    active_event: np.ndarray
+    active_pos: np.ndarray
+
+    @classmethod
+    def of(cls, stats: ModelStats, world_size: int | None = None) -> "Timeline":
+        """The timeline of ``stats`` for ``world_size`` ranks (None: the stats' own).
+
+        Stats without events (no timeline recorded) get one ``other`` event at the whole step's peak, which no
+        checkpointing changes.
+
+        Raises:
+            ConfigError: ``world_size`` not an integer >= 1, or an event with an unknown phase.
+        """
+        w0 = max(1, int(stats.world_size))
+        ws = check_world_size(w0 if world_size is None else world_size)
+        keep = w0 / ws
+        events = list(stats.events)
+        active = stats.backward_active() if events else [()]
+        if not events:
+            events = [MemoryEvent(Phase.OTHER, "", 0, 0, 0, int(stats.peak_bytes), int(stats.peak_snapshot.state))]
+        n = len(events)
+        nf, nb = len(stats.fw_post_order), len(stats.bw_pre_order)
+        phase = np.empty(n, dtype=np.int64)
+        base = np.empty(n, dtype=float)
+        pos = np.zeros(n, dtype=np.int64)
+        extra = np.zeros(n, dtype=float)
+        for i, e in enumerate(events):
+            ph = PHASE_CODES.get(e.phase)  # type: ignore[call-overload]
+            if ph is None:
+                raise ConfigError(f"memory event {i} has unknown phase {e.phase!r} (expected fw, bw, rc or other)")
+            phase[i] = ph
+            base[i] = float(e.peak_bytes) - float(e.state_bytes) * (1.0 - keep)
+            if ph == FW:
+                pos[i] = min(max(int(e.fw_done), 0), nf)
+            elif ph in (BW, RC):
+                pos[i] = min(max(int(e.bw_started), 0), nb)
+                extra[i] = float(e.extra_bytes) if ph == RC else 0.0
+        pairs = [(i, p) for i, act in enumerate(active) for p in act if p < nb]
+        return cls(
+            world_size=ws,
+            state_keep=keep,
+            phase=phase,
+            module=tuple(e.module for e in events),
+            base=base,
+            pos=pos,
+            extra=extra,
+            fw_entries=call_entries(stats.fw_post_order),
+            bw_entries=call_entries(stats.bw_pre_order),
+            active_event=np.asarray([i for i, _ in pairs], dtype=np.int64),
+            active_pos=np.asarray([p for _, p in pairs], dtype=np.int64),
+        )
+
+    @property
+    def num_events(self) -> int:
+        return len(self.phase)
+
+    def peaks(self, fw_freed: np.ndarray, bw_freed: np.ndarray, added: np.ndarray | None = None) -> np.ndarray:
+        """Bytes at every event (float array) when the ``k``-th call of ``fw_post_order`` frees ``fw_freed[k]``
+        bytes at its forward's end and the ``k``-th of ``bw_pre_order`` gets ``bw_freed[k]`` back at its
+        backward's start (both: discards minus what checkpointing keeps; zero for calls not checkpointed),
+        plus ``added`` per event (see :meth:`held` and the module docstring)."""
+        F = np.concatenate([[0.0], np.cumsum(np.asarray(fw_freed, dtype=float))])
+        B = np.concatenate([[0.0], np.cumsum(np.asarray(bw_freed, dtype=float))])
+        m = self.base.copy()
+        fw = self.phase == FW
+        m[fw] -= F[self.pos[fw]]
+        bw = (self.phase == BW) | (self.phase == RC)
+        m[bw] -= B[-1] - B[self.pos[bw]]
+        if added is not None:
+            m += added
+        return m
+
+    def held(self, bw_kept: np.ndarray) -> np.ndarray:
+        """Per event, the bytes checkpointed calls keep there while inside their backward: the sum of
+        ``bw_kept[p]`` (what the ``p``-th call of ``bw_pre_order`` keeps, bytes) over the calls active at it."""
+        w = np.asarray(bw_kept, dtype=float)[self.active_pos] if len(self.active_pos) else np.zeros(0)
+        return np.bincount(self.active_event, weights=w, minlength=self.num_events).astype(float)

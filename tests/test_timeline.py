@@ -1,0 +1,70 @@
+"""The one memory model (sacplan.timeline) on the hand-written step of sacplan.testing.synthetic.hand_tree.
+
+hand_tree: fw_post_order = (b0, b1, ""), bw_pre_order = ("", b1, b0); events:
+  0 fw    fw_done=3     10 GiB (+ state)
+  1 rc b1 bw_started=2  10 GiB (+ state), recompute transient 1 GiB
+  2 bw b0 bw_started=3   6 GiB (+ state)
+  3 other                3 GiB (+ state)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from sacplan.errors import ConfigError
+from sacplan.evaluate import event_peaks
+from sacplan.solve.milp import SacProblem
+from sacplan.testing.synthetic import GiB, hand_tree
+from sacplan.timeline import BW, FW, OTHER, RC, Timeline, call_entries
+from sacplan.tree import ModuleTree
+
+
+def test_events_read_by_hand():
+    tl = Timeline.of(hand_tree().stats)
+    assert tl.phase.tolist() == [FW, RC, BW, OTHER]
+    assert tl.base.tolist() == [10 * GiB, 10 * GiB, 6 * GiB, 3 * GiB]
+    assert tl.pos.tolist() == [3, 2, 3, 0] and tl.extra.tolist() == [0, GiB, 0, 0]
+    assert tl.fw_entries == (("b0", 0), ("b1", 0), ("", 0)) and tl.bw_entries == (("", 0), ("b1", 0), ("b0", 0))
+    # stats without bw_done: at an rc event only the recomputed call is inside its backward
+    assert tl.held(np.array([0.0, 7.0, 0.0])).tolist() == [0, 7, 0, 0]
+
+
+def test_peaks_of_b0_fully_discarded_by_hand():
+    """b0 frees 4 GiB after its forward and gets it back at its backward start (bw_pre position 2): the loss and
+    b1's rc event drop to 6 GiB, b0's backward and the optimizer are unchanged (the worked example's minimum)."""
+    tl = Timeline.of(hand_tree().stats)
+    m = tl.peaks(np.array([4.0, 0, 0]) * GiB, np.array([0, 0, 4.0]) * GiB)
+    assert m.tolist() == [6 * GiB, 6 * GiB, 6 * GiB, 3 * GiB]
+    assert event_peaks(hand_tree(), {"b0": [4 * GiB]}) == [6 * GiB, 6 * GiB, 6 * GiB, 3 * GiB]
+    # b1 checkpointed too: its rc event (b1 begun: only b0 still discarded) adds the 1 GiB transient: 10 - 4 + 1
+    assert event_peaks(hand_tree(), {"b0": [4 * GiB], "b1": [4 * GiB]}) == [2 * GiB, 7 * GiB, 6 * GiB, 3 * GiB]
+
+
+@pytest.mark.parametrize("collected, planned, base0", [(1, 1, 12.0), (1, 4, 10.5), (2, 1, 14.0), (2, 2, 12.0)])
+def test_state_scales_with_the_planned_world_size(collected, planned, base0):
+    """2 GiB of state collected at ``collected`` ranks is 2·collected/planned GiB per rank at ``planned``: more
+    ranks shed state, fewer ranks hold more (evaluate ignored the second case before the timeline was shared)."""
+    tree = hand_tree(state_bytes=2 * GiB, world_size=collected)
+    assert Timeline.of(tree.stats, planned).base[0] == base0 * GiB
+    assert event_peaks(tree, {}, planned)[0] == base0 * GiB
+    assert SacProblem(tree, planned).baseline_peak() == base0 * GiB
+
+
+def test_no_events_is_the_whole_step_peak_which_nothing_changes():
+    tree = hand_tree()
+    bare = ModuleTree(dataclasses.replace(tree.stats, events=()))
+    assert event_peaks(bare, {"b0": [4 * GiB]}) == [10 * GiB]
+    assert SacProblem(bare).peak([1, 1], [1, 1]) == 10 * GiB
+
+
+@pytest.mark.parametrize("ws", [0, -1, 1.5, True, "2"])
+def test_world_size_must_be_a_positive_integer(ws):
+    with pytest.raises(ConfigError, match="world_size must be an integer >= 1"):
+        Timeline.of(hand_tree().stats, ws)
+
+
+def test_call_entries_count_occurrences():
+    assert call_entries(["a", "b", "a", "", "a"]) == (("a", 0), ("b", 0), ("a", 1), ("", 0), ("a", 2))
