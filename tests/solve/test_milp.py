@@ -12,7 +12,8 @@ from sacplan.plan import Plan
 from sacplan.solve import baseline_peak, min_feasible_budget, solve
 from sacplan.solve import milp as milp_mod
 from sacplan.solve.backends import TIME_LIMIT, SolveResult
-from sacplan.solve.milp import SacProblem, TimeLimitWarning, envelope
+from sacplan.solve.candidates import envelope
+from sacplan.solve.milp import SacProblem, TimeLimitWarning
 from sacplan.testing.llama_tree import llama_tree
 from sacplan.testing.synthetic import GiB, MiB, Spec, build_tree, hand_tree
 
