@@ -7,7 +7,7 @@
 * :func:`envelope` keeps the trade-off lines that matter on ``r ∈ [0, 1]``; :func:`relaxed_candidate` swaps
   them for the LP relaxation of the module's op-level knapsack (lower-bound mode).
 
-:class:`~sacplan.solve.milp.SacProblem` builds on these.
+:class:`~sacplan.solve.problem.SacProblem` builds on these.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[f
 
     Checkpointing a call that keeps more than it frees only adds bytes, so only ratios at or above that
     minimum are offered: this cuts off dominated choices only, and keeps running sums of discards
-    monotone (what lets the MILP's event selection, :meth:`~sacplan.solve.milp.SacProblem.build`, drop dominated
+    monotone (what lets the MILP's event selection, :mod:`sacplan.solve.formulation`, drop dominated
     events)."""
     t = ms.tradeoff
     assert t is not None
@@ -175,7 +175,7 @@ def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[f
 
 def relaxed_candidate(tree: ModuleTree, c: Candidate) -> Candidate:
     """``c`` with its cost lines replaced by the LP relaxation of its op-level knapsack (below every achievable
-    option: the lower-bound mode of :class:`~sacplan.solve.milp.SacProblem`); ``c`` itself without ops."""
+    option: the lower-bound mode of :class:`~sacplan.solve.problem.SacProblem`); ``c`` itself without ops."""
     st = tree.nodes[c.node].stats
     if not st.ops or c.recompute_ms <= 0:
         return c
