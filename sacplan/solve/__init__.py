@@ -1,8 +1,8 @@
 """Solvers: the module-level SAC MILP, op-level selection and PyTorch-compatible ``sac_milp``.
 
 ``solve(tree, budget)`` is the entry point; see :func:`sacplan.solve.milp.solve` for the memory model and
-the formulation. The MILP's layers, top down: ``milp`` (entry points, ratios to op save lists), ``search``
-(incumbent, repair, min-peak plan), ``formulation`` (rows and columns), ``problem``
+the formulation. The MILP's layers, top down: ``milp`` (entry points), ``search`` (incumbent, repair, min-peak
+plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns), ``problem``
 (:class:`SacProblem`: the timeline and exact evaluation), ``candidates`` (checkpointable modules). Beside them:
 ``ops`` (op-level options and selection), ``backends`` (MILP/LP solvers), ``limits`` (time budget), ``certify``
 and ``compat``.
