@@ -1,14 +1,17 @@
 """Solvers: the module-level SAC MILP, op-level selection and PyTorch-compatible ``sac_milp``.
 
 ``solve(tree, budget)`` is the entry point; see :func:`sacplan.solve.milp.solve` for the memory model and
-the formulation.
+the formulation. The MILP's layers, top down: ``milp`` (entry points), ``search`` (incumbent, repair, min-peak
+plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns), ``problem``
+(:class:`SacProblem`: the timeline and exact evaluation), ``candidates`` (checkpointable modules). Beside them:
+``ops`` (op-level options and selection), ``backends`` (MILP/LP solvers), ``limits`` (time budget), ``certify``
+and ``compat``.
 """
 
 from sacplan.solve.backends import SOLVERS, MilpModel, SolveResult, solve_model
 from sacplan.solve.certify import Certificate, certify, every_unit
 from sacplan.solve.compat import sac_milp
 from sacplan.solve.milp import (
-    SacProblem,
     TimeLimitWarning,
     baseline_peak,
     min_feasible_budget,
@@ -16,6 +19,7 @@ from sacplan.solve.milp import (
     solve,
 )
 from sacplan.solve.ops import ModuleOptions, OpSelection, module_options, select_ops
+from sacplan.solve.problem import SacProblem
 
 __all__ = [
     "solve",

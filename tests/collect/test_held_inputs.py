@@ -66,7 +66,7 @@ def test_solver_and_evaluator_count_held_inputs_alike() -> None:
     import numpy as np
 
     from sacplan.evaluate import event_peaks
-    from sacplan.solve.milp import SacProblem
+    from sacplan.solve.problem import SacProblem
 
     tree = ModuleTree(collect(_encoder, (torch.randn(4, 16, 32),), device=CPU, optimizer=False))
     assert tree.node("layers.1").stats.held_input_bytes[0] > 0

@@ -23,7 +23,8 @@ from sacplan.collect import collect
 from sacplan.devices import CPU
 from sacplan.evaluate import event_peaks, module_outcome, predict
 from sacplan.opnames import op_keys
-from sacplan.solve.milp import SacProblem
+from sacplan.solve.formulation import build_budget_model, columns_for
+from sacplan.solve.problem import SacProblem
 from sacplan.stats import OpStat
 from sacplan.tradeoff import recompute_surge
 from sacplan.tree import ModuleTree
@@ -108,8 +109,8 @@ def test_solver_rows_and_peaks_count_the_surge(tree: ModuleTree) -> None:
         expect = event_peaks(tree, {"2": out.discard_bytes}, surges={"2": out.surge_bytes})
         assert P.peaks(y, r).tolist() == pytest.approx(expect, abs=1e-6), k
         for slack, holds in ((0.0, True), (-2.0, False)):
-            model, idx, _ = P.build(max(expect) + slack)
-            worst = _worst(model, P.columns_for(model, idx, y, r))
+            model, idx, _ = build_budget_model(P, max(expect) + slack)
+            worst = _worst(model, columns_for(P, model, idx, y, r))
             assert (worst < 1e-12) if holds else (worst > 1.0 / 2**30), (k, slack, worst)
 
 

@@ -206,7 +206,7 @@ def test_lower_bound_errors_and_trivial_cases():
 @given(seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_linear_terms_reproduce_peaks(seed, data):
     """``peaks(y, r) == ev_base - C @ r + Y @ y`` for any 0/1 y and ratios (what the local descent relies on)."""
-    from sacplan.solve.milp import SacProblem
+    from sacplan.solve.problem import SacProblem
 
     tree = build_tree(_random_spec(random.Random(seed)))
     P = SacProblem(tree, exact=True)

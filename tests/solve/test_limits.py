@@ -228,17 +228,17 @@ def test_options_cut_short_by_the_deadline_lower_the_bound_and_say_time_limit(mo
 
     from sacplan.solve import SacProblem
 
-    milp_mod = importlib.import_module("sacplan.solve.milp")
+    problem_mod = importlib.import_module("sacplan.solve.problem")
     tree = llama_tree(4)
     budget = int(baseline_peak(tree) * 0.7)
     exact = solve(tree, budget)
     assert exact.status == "optimal" and "options_slack_ms" not in exact.meta
-    real = milp_mod.module_options
+    real = problem_mod.module_options
 
     def hurried(*a, **k):  # as if every option's knapsack had been left at a greedy fill within 1% of R
         return dataclasses.replace(real(*a, **k), slack_frac=0.01)
 
-    monkeypatch.setattr(milp_mod, "module_options", hurried)
+    monkeypatch.setattr(problem_mod, "module_options", hurried)
     problem = SacProblem(tree, exact=True)
     slack = sum(c.calls * c.recompute_ms * 0.01 for c in problem.candidates if problem.options(c.slot) is not None)
     assert slack > 0
@@ -256,11 +256,11 @@ def test_a_tiny_limit_still_returns_a_plan_when_no_rounding_of_the_lp_fits(monke
     # plan then comes from a short min-peak MILP (else a 0.5 s sweep failed: "no plan before the time limit")
     import numpy as np
 
-    from sacplan.solve import SacProblem
+    from sacplan.solve import search
 
     tree = llama_tree(8)
     budget = int(baseline_peak(tree) * 0.7)
-    monkeypatch.setattr(SacProblem, "_unnest", lambda self, y, score: np.zeros_like(y))  # every rounding empty
+    monkeypatch.setattr(search, "_unnest", lambda problem, y, score: np.zeros_like(y))  # every rounding empty
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TimeLimitWarning)
         plan = solve(tree, budget, time_limit_s=1e-3, op_level=False)

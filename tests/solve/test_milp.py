@@ -11,8 +11,12 @@ from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
 from sacplan.solve import baseline_peak, min_feasible_budget, solve
 from sacplan.solve import milp as milp_mod
+from sacplan.solve import search as search_mod
 from sacplan.solve.backends import TIME_LIMIT, SolveResult
-from sacplan.solve.milp import SacProblem, TimeLimitWarning, envelope
+from sacplan.solve.candidates import envelope
+from sacplan.solve.formulation import build_budget_model
+from sacplan.solve.milp import TimeLimitWarning
+from sacplan.solve.problem import SacProblem
 from sacplan.testing.llama_tree import llama_tree
 from sacplan.testing.synthetic import GiB, MiB, Spec, build_tree, hand_tree
 
@@ -85,6 +89,7 @@ def test_budget_at_or_above_baseline_is_an_empty_plan(budget, monkeypatch):
         raise AssertionError("the solver must not run when no checkpointing is needed")
 
     monkeypatch.setattr(milp_mod, "solve_model", no_solver)
+    monkeypatch.setattr(search_mod, "solve_model", no_solver)
     plan = solve(hand_tree(), budget, ac_units=UNITS)
     assert plan.status == "not needed"
     assert plan.decisions == () and plan.recompute_ms == 0.0 and plan.solver == ""
@@ -228,6 +233,7 @@ def test_time_limit_returns_best_plan_with_gap_and_warns(monkeypatch):
         return res
 
     monkeypatch.setattr(milp_mod, "solve_model", stopped)
+    monkeypatch.setattr(search_mod, "solve_model", stopped)
     monkeypatch.setattr(milp_mod, "prove_by_lp_branching", lambda *a, **k: None)  # force the MILP search
     tree = llama_tree(4)
     budget = int(baseline_peak(tree) * 0.7)
@@ -310,7 +316,7 @@ def test_model_size_is_linear():
     for n in (4, 8, 16):
         tree = llama_tree(n, with_ops=False)
         problem = SacProblem(tree)
-        model, idx, _ = problem.build(baseline_peak(tree) * 0.6)
+        model, idx, _ = build_budget_model(problem, baseline_peak(tree) * 0.6)
         sizes[n] = model.num_nonzeros
     # doubling the blocks roughly doubles the nonzeros (no dense per-event coefficient vectors)
     assert sizes[16] / sizes[8] < 2.3 and sizes[8] / sizes[4] < 2.3

@@ -1,7 +1,7 @@
 """Property test: the MILP against a brute force over checkpoint sets × discretised ratios.
 
 The oracle below re-derives every event's predicted bytes straight from the stats (the formula in
-:func:`sacplan.solve.solve`'s docstring), independently of :class:`sacplan.solve.milp.SacProblem`.
+:func:`sacplan.solve.solve`'s docstring), independently of :class:`sacplan.solve.problem.SacProblem`.
 
 Discretisation bound: take the MILP optimum (y*, r*) and round every ratio *up* to the grid,
 ``r' = ceil(20·r)/20 ≤ r + 1/20``. Predicted bytes only fall as ratios grow, so (y*, r') is feasible and on
