@@ -21,7 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from sacplan.solve.backends import MilpModel, relaxed_with_fixed
-from sacplan.solve.problem import BW, FW, OTHER, RC, SacProblem
+from sacplan.solve.problem import SacProblem
+from sacplan.timeline import BW, FW, OTHER, RC
 from sacplan.units import GiB
 
 

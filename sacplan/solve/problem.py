@@ -15,17 +15,12 @@ from typing import Sequence
 import numpy as np
 
 from sacplan.devices import checkpoint_state_bytes
-from sacplan.errors import ConfigError
 from sacplan.solve.backends import lp_solver
 from sacplan.solve.candidates import relaxed_candidate, select_candidates
 from sacplan.solve.ops import ModuleOptions, module_options
-from sacplan.stats import Phase
+from sacplan.timeline import BW, FW, RC, Timeline
 from sacplan.tradeoff import recompute_surge
 from sacplan.tree import ModuleTree
-
-
-FW, BW, RC, OTHER = 0, 1, 2, 3  # phase codes in the event arrays
-_PHASES = {Phase.FW: FW, Phase.BW: BW, Phase.RC: RC, Phase.OTHER: OTHER}
 
 
 class SacProblem:
@@ -57,14 +52,11 @@ class SacProblem:
         self._solver = solver
         self._options: dict[int, ModuleOptions | None] = {}
         self._surge: dict[int, tuple[int, ...]] = {}
-        base_ws = max(1, int(stats.world_size))
-        if world_size is None:
-            world_size = base_ws
-        if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
-        self.world_size = int(world_size)
+        #: the step's memory timeline for ``world_size`` ranks: sacplan's one memory model (:mod:`sacplan.timeline`)
+        self.timeline = Timeline.of(stats, world_size)
+        self.world_size = self.timeline.world_size
         #: state bytes kept per rank, relative to the collected ones
-        self.state_keep = base_ws / self.world_size
+        self.state_keep = self.timeline.state_keep
         #: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a CPU target)
         self.ck_overhead = float(checkpoint_state_bytes(stats.device))
         #: candidates in pre-order (slot = index), and warnings about named ``ac_units`` that cannot be checkpointed
@@ -72,21 +64,19 @@ class SacProblem:
         if relax:  # lower-bound mode: each module's cost is the LP relaxation of its op-level knapsack
             self.exact = False
             self.candidates = [relaxed_candidate(tree, c) for c in self.candidates]
-        self._orders(tree)
-        self._events(tree)
+        self._orders()
+        self._events()
 
     # -- setup ----------------------------------------------------------------------------------------
-    def _orders(self, tree: ModuleTree) -> None:
+    def _orders(self) -> None:
         slot_by_fqn = {c.fqn: c for c in self.candidates}
 
-        def positions(order: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-            seen: dict[str, int] = {}
-            slots, amts, over, kc = [], [], [], [0]
-            for f in order:
-                c = seen.get(f, 0)
-                seen[f] = c + 1
+        def positions(entries: Sequence[tuple[str, int]]) -> tuple[np.ndarray, ...]:
+            pos, slots, amts, over, kc = [], [], [], [], [0]
+            for k, (f, c) in enumerate(entries):
                 cand = slot_by_fqn.get(f)
                 if cand is not None and c < cand.calls:
+                    pos.append(k)
                     slots.append(cand.slot)
                     amts.append(float(cand.act_bytes[c]))
                     over.append(float(cand.overhead_bytes[c]) if c < len(cand.overhead_bytes) else self.ck_overhead)
@@ -94,65 +84,52 @@ class SacProblem:
                 else:
                     kc.append(kc[-1])
             arr = lambda v, t=float: np.asarray(v, dtype=t)  # noqa: E731
-            return arr(slots, np.int64), arr(amts), arr(over), arr(kc, np.int64)
+            return arr(pos, np.int64), arr(slots, np.int64), arr(amts), arr(over), arr(kc, np.int64)
 
-        st = tree.stats
-        #: candidate entries of fw_post_order: slot, bytes A_{i,c} and overhead o_{i,c} (kept while checkpointed);
-        #: kc_fw[k] = candidate entries among the first k
-        self.fw_slot, self.fw_amt, self.fw_over, self.kc_fw = positions(st.fw_post_order)
-        self.bw_slot, self.bw_amt, self.bw_over, self.kc_bw = positions(st.bw_pre_order)
+        tl = self.timeline
+        #: candidate entries of fw_post_order: position in the order, slot, bytes A_{i,c} and overhead o_{i,c}
+        #: (kept while checkpointed); kc_fw[k] = candidate entries among the first k
+        self.fw_pos, self.fw_slot, self.fw_amt, self.fw_over, self.kc_fw = positions(tl.fw_entries)
+        self.bw_pos, self.bw_slot, self.bw_amt, self.bw_over, self.kc_bw = positions(tl.bw_entries)
 
-    def _events(self, tree: ModuleTree) -> None:
-        st = tree.stats
-        events = list(st.events)
-        if not events:  # no timeline: the whole-step peak, unchanged by checkpointing
-            from sacplan.stats import MemoryEvent
-
-            events = [
-                MemoryEvent(Phase.OTHER, "", 0, 0, 0, int(st.peak_bytes), int(st.peak_snapshot.state)),
-            ]
+    def _events(self) -> None:
+        tl = self.timeline
         slot_by_fqn = {c.fqn: c.slot for c in self.candidates}
-        n = len(events)
-        self.ev_phase = np.empty(n, dtype=np.int64)
-        self.ev_k = np.zeros(n, dtype=np.int64)
-        self.ev_base = np.empty(n, dtype=float)
-        self.ev_module = [e.module for e in events]
-        shed = 1.0 - self.state_keep
-        nf, nb = len(st.fw_post_order), len(st.bw_pre_order)
+        n = tl.num_events
+        self.ev_k = tl.pos
+        self.ev_base = tl.base
+        self.ev_module = list(tl.module)
+        self.ev_phase = tl.phase.copy()  # rc events where checkpointing adds nothing become bw rows
+        nb = len(tl.bw_entries)
+        active: list[list[int]] = [[] for _ in range(n)]
+        for i, p in zip(tl.active_event.tolist(), tl.active_pos.tolist()):
+            active[i].append(p)
         # What checkpointing a slot adds at an event, as sparse (event, slot, bytes) triples: the overhead of each
         # call inside its backward there (held until that backward ends) and, at a call's rc event, its
         # recompute transient.
-        active = st.backward_active() if st.events else [()] * n
         t_ev: list[int] = []
         t_slot: list[int] = []
         t_coef: list[float] = []
         self.ev_terms: list[tuple[tuple[int, float], ...]] = []
         #: per event: the slot whose rc event it is when that slot's options can surge (else -1), see :meth:`surge`
         self.ev_surge = np.full(n, -1, dtype=np.int64)
-        for i, e in enumerate(events):
-            ph = _PHASES.get(e.phase)
-            if ph is None:
-                raise ConfigError(f"memory event {i} has unknown phase {e.phase!r} (expected fw, bw, rc or other)")
-            self.ev_base[i] = float(e.peak_bytes) - float(e.state_bytes) * shed
+        for i in range(n):
+            ph = int(tl.phase[i])
             terms: dict[int, float] = {}
-            if ph == FW:
-                self.ev_k[i] = min(max(int(e.fw_done), 0), nf)
-            elif ph in (BW, RC):
-                self.ev_k[i] = min(max(int(e.bw_started), 0), nb)
+            if ph in (BW, RC):
                 for p in active[i]:
                     if p < nb and self.kc_bw[p + 1] > self.kc_bw[p]:
                         q = int(self.kc_bw[p])
                         if self.bw_over[q] > 0:
                             sl = int(self.bw_slot[q])
                             terms[sl] = terms.get(sl, 0.0) + float(self.bw_over[q])
-                s = slot_by_fqn.get(e.module, -1) if ph == RC else -1
-                if s >= 0 and e.extra_bytes > 0:
-                    terms[s] = terms.get(s, 0.0) + float(e.extra_bytes)
+                s = slot_by_fqn.get(tl.module[i], -1) if ph == RC else -1
+                if s >= 0 and tl.extra[i] > 0:
+                    terms[s] = terms.get(s, 0.0) + float(tl.extra[i])
                 if s >= 0 and max(self.surge(s), default=0) > 0:
                     self.ev_surge[i] = s
                     terms[s] = terms.get(s, 0.0)  # an rc row even where the full recomputation adds nothing
-                ph = RC if terms else BW
-            self.ev_phase[i] = ph
+                self.ev_phase[i] = RC if terms else BW
             self.ev_terms.append(tuple(sorted(terms.items())))
             for sl, cf in terms.items():
                 t_ev.append(i)
@@ -246,20 +223,18 @@ class SacProblem:
         y = np.asarray(y, dtype=float).reshape(-1)
         yb = (y > 0.5).astype(float)
         r = np.asarray(r, dtype=float).reshape(-1) * yb
-        m = self.ev_base.copy()
         if self.num_candidates == 0:
-            return m
+            return self.ev_base.copy()
         k = 1.0 if with_extra else 0.0
-        F = np.concatenate([[0.0], np.cumsum(self.fw_amt * r[self.fw_slot] - k * self.fw_over * yb[self.fw_slot])])
-        B = np.concatenate([[0.0], np.cumsum(self.bw_amt * r[self.bw_slot] - k * self.bw_over * yb[self.bw_slot])])
-        D = B[-1]
-        ph = self.ev_phase
-        fw = ph == FW
-        m[fw] -= F[self.kc_fw[self.ev_k[fw]]]
-        bw = (ph == BW) | (ph == RC)
-        m[bw] -= D - B[self.kc_bw[self.ev_k[bw]]]
+        tl = self.timeline
+        fw = np.zeros(len(tl.fw_entries))
+        fw[self.fw_pos] = self.fw_amt * r[self.fw_slot] - k * self.fw_over * yb[self.fw_slot]
+        bw = np.zeros(len(tl.bw_entries))
+        bw[self.bw_pos] = self.bw_amt * r[self.bw_slot] - k * self.bw_over * yb[self.bw_slot]
+        added = None
         if with_extra and len(self.t_ev):
-            m += np.bincount(self.t_ev, weights=self.t_coef * yb[self.t_slot], minlength=len(m))
+            added = np.bincount(self.t_ev, weights=self.t_coef * yb[self.t_slot], minlength=tl.num_events)
+        m = tl.peaks(fw, bw, added)
         if with_extra:
             for i in np.nonzero(self.ev_surge >= 0)[0]:
                 s = int(self.ev_surge[i])

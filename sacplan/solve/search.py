@@ -22,7 +22,8 @@ from sacplan.solve import limits
 from sacplan.solve.backends import MilpModel, SolveResult, lp_solver, relaxed, solve_model
 from sacplan.solve.formulation import MilpIndex, build_min_peak_model, columns_for, decision_from, fix_y
 from sacplan.solve.limits import lifted
-from sacplan.solve.problem import BW, FW, RC, SacProblem
+from sacplan.solve.problem import SacProblem
+from sacplan.timeline import BW, FW, RC
 
 
 #: Seconds the heuristic may spend on a min-peak MILP for its first plan when its roundings all fail, even when
