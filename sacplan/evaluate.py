@@ -1,6 +1,6 @@
 """Evaluate any checkpointing choice on a :class:`~sacplan.tree.ModuleTree` with sacplan's memory model.
 
-The same formula the solver constrains (see :func:`sacplan.solve.solve`) is computed here for a *given*
+The memory model the solver constrains (:mod:`sacplan.timeline`) is computed here for a *given*
 choice — a solver plan, full checkpointing of every block, a fixed op save-list, PyTorch's reference plan —
 so every alternative is judged by one model, and a plan made on one host can be re-evaluated on stats
 collected on another (ops are matched by ``(family, occurrence)``, see :mod:`sacplan.opnames`).

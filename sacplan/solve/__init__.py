@@ -1,7 +1,7 @@
 """Solvers: the module-level SAC MILP, op-level selection and PyTorch-compatible ``sac_milp``.
 
-``solve(tree, budget)`` is the entry point; see :func:`sacplan.solve.milp.solve` for the memory model and
-the formulation. The MILP's layers, top down: ``milp`` (entry points), ``search`` (incumbent, repair, min-peak
+``solve(tree, budget)`` is the entry point; the memory model is :mod:`sacplan.timeline`, the MILP over it
+:mod:`sacplan.solve.formulation`. The MILP's layers, top down: ``milp`` (entry points), ``search`` (incumbent, repair, min-peak
 plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns), ``problem``
 (:class:`SacProblem`: the timeline and exact evaluation), ``candidates`` (checkpointable modules). Beside them:
 ``ops`` (op-level options and selection), ``backends`` (MILP/LP solvers), ``limits`` (time budget), ``certify``

@@ -1,6 +1,6 @@
 """The MILP formulation: rows and columns of the budget model and the min-peak model over a :class:`SacProblem`.
 
-See :func:`sacplan.solve.milp.solve` for the model in full. The pieces:
+The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
 
 * :func:`build_budget_model` writes the budget MILP (minimise recompute ms with every kept event under the
   budget), :func:`build_min_peak_model` the MILP whose optimum is the smallest feasible budget; both return a
@@ -10,6 +10,52 @@ See :func:`sacplan.solve.milp.solve` for the model in full. The pieces:
 
 Events whose worst case fits the budget, or that another event dominates, get no row (:func:`_select_events`).
 Bytes are in GiB in the model, times in ms.
+
+The model
+---------
+For candidate ``i`` (checkpoint flag ``y_i``, discard ratio ``r_i``, per-call discardable bytes ``A_{i,c}``;
+call ``c`` discards ``A_{i,c}·r_i``) every event of :class:`~sacplan.timeline.Timeline` must stay within the
+budget; minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recompute_ms``) subject to
+
+* ``q_i ≥ slope_s · r_i + intercept_s · y_i`` for every trade-off line ``s``, ``q_i ≥ 0`` (the
+  perspective of the convex curve: exact at integer ``y`` and the tightest relaxation; no big-M);
+* ``r_i ≤ y_i``;
+* no nested checkpointing: ``u_i = u_{parent(i)} + y_i ≤ 1`` along candidate chains (``u`` = ``y`` at the
+  top of a chain; a chain's last node needs no ``u`` column);
+* running sums as columns, only where a constraint needs them: ``F_{k'} = F_{k} + Σ_{entries k..k'} A·r/GiB``
+  and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
+  ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
+  ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``.
+
+* ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
+  branching; see below).
+
+Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
+lines. Its options come from :func:`~sacplan.solve.ops.module_options` — the module's exact Pareto front of
+save lists (a knapsack DP over its op groups), pruned to at most ``max_options`` — and it picks one of them:
+``y_i`` selects option 0, ordered binaries ``w_{i,1} ≥ w_{i,2} ≥ …`` (``w_{i,1} ≤ y_i``) step up,
+``r_i = r_0·y_i + Σ_k (r_k - r_{k-1})·w_{i,k}`` and the cost is ``R_i·(q_0·y_i + Σ_k (q_k - q_{k-1})·w_{i,k})``.
+The objective is then what the plan realises (the lines, an upper bound of the achievable staircase,
+were ~16% loose on a Llama block). For a class of identical sequential blocks, ``w_{j,k} ≤ w_{i,k} + 1 - y_i``
+for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solve.problem.SacProblem.sequential`: valid, it
+only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
+Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
+checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
+:func:`~sacplan.solve.milp.recompute_lower_bound` bounds every plan from below (fractional knapsack per module).
+
+Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
+(same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
+[0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
+``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
+calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
+
+Solving: an incumbent from the LP relaxation (round ``y``, re-solve the ratios) is handed to the solver,
+which proves optimality to ``gap_rel`` (no MILP search at all when the incumbent already meets the LP
+bounds after branching on the count columns below: a few in-process LPs).
+Identical candidates (repeated blocks) get a count column ``K = Σ_class y`` branched on first: the LP is
+weak only in *how many* blocks to checkpoint, and once that count is fixed its bound is nearly tight, so
+the symmetric search over *which* blocks never starts. (Auxiliary LPs and op-level knapsacks run on
+in-process HiGHS when highspy is installed.)
 """
 
 from __future__ import annotations
@@ -26,7 +72,6 @@ from sacplan.timeline import BW, FW, OTHER, RC
 from sacplan.units import GiB
 
 
-@dataclass
 @dataclass
 class MilpIndex:
     """Column indices of one built model (which column holds each candidate's ``y``, ``r``, ...)."""

@@ -1,7 +1,7 @@
 """The public entry points of the module-level MILP: which modules to checkpoint and what fraction of each one's
 activations to discard.
 
-See :func:`solve` for the memory model and the formulation. The layers, top down:
+The memory model is :mod:`sacplan.timeline`; the formulation :mod:`sacplan.solve.formulation`. The layers, top down:
 
 * this module: :func:`solve`, :func:`min_feasible_budget`, :func:`recompute_lower_bound`, :func:`baseline_peak`,
   and the budget MILP's solve to exactness in bytes (no-good cuts over solutions a solver's tolerance let
@@ -174,75 +174,13 @@ def solve(
 ) -> Plan:
     r"""Cheapest selective activation checkpointing plan whose predicted per-rank peak fits ``budget``.
 
-    Memory model
-    ------------
-    The tree comes from a collected step *without* checkpointing. For candidate module ``i`` with per-call
-    discardable bytes ``A_{i,c}`` (``ModuleStats.act_bytes[c]``) the MILP chooses ``y_i ∈ {0,1}`` (checkpoint
-    ``i``) and a discard fraction ``r_i ∈ [0, 1]`` with ``r_i ≤ y_i``; call ``c`` discards
-    ``d_{i,c} = A_{i,c} · r_i``. With running sums over the step orders (the c-th occurrence of ``i`` in an
-    order is call ``c``)::
-
-        F_k = Σ_{first k entries of fw_post_order} d      (discarded by forwards that have finished)
-        B_k = Σ_{first k entries of bw_pre_order}  d      (re-materialised: that module's backward began)
-        D   = B_{len(bw_pre_order)}                       (all discards)
-        S_e = state_bytes_e · (1 - stats.world_size / world_size)   (params/grads/optimizer state sharded)
-
-    every timeline event ``e`` (``ModelStats.events``) predicts::
-
-        fw    m_e = peak_e - S_e - F_{fw_done_e}
-        bw    m_e = peak_e - S_e - (D - B_{bw_started_e})
-        rc    m_e = peak_e - S_e - (D - B_{bw_started_e}) + extra_bytes_e · y_j
-              (module j's backward start: recomputing a checkpointed j re-allocates its forward temporaries)
-        other m_e = peak_e - S_e                            (loss, optimizer: unchanged by checkpointing)
-
-    and the plan must satisfy ``m_e ≤ budget`` for all ``e``; the predicted peak is ``max_e m_e``.
-
-    MILP
-    ----
-    minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recompute_ms``) subject to
-
-    * ``q_i ≥ slope_s · r_i + intercept_s · y_i`` for every trade-off line ``s``, ``q_i ≥ 0`` (the
-      perspective of the convex curve: exact at integer ``y`` and the tightest relaxation; no big-M);
-    * ``r_i ≤ y_i``;
-    * no nested checkpointing: ``u_i = u_{parent(i)} + y_i ≤ 1`` along candidate chains (``u`` = ``y`` at the
-      top of a chain; a chain's last node needs no ``u`` column);
-    * running sums as columns, only where a constraint needs them: ``F_{k'} = F_{k} + Σ_{entries k..k'} A·r/GiB``
-      and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
-      ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
-      ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``.
-
-    * ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
-      branching; see below).
-
-    Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
-    lines. Its options come from :func:`~sacplan.solve.ops.module_options` — the module's exact Pareto front of
-    save lists (a knapsack DP over its op groups), pruned to at most ``max_options`` — and it picks one of them:
-    ``y_i`` selects option 0, ordered binaries ``w_{i,1} ≥ w_{i,2} ≥ …`` (``w_{i,1} ≤ y_i``) step up,
-    ``r_i = r_0·y_i + Σ_k (r_k - r_{k-1})·w_{i,k}`` and the cost is ``R_i·(q_0·y_i + Σ_k (q_k - q_{k-1})·w_{i,k})``.
-    The objective is then what the plan realises (the lines, an upper bound of the achievable staircase,
-    were ~16% loose on a Llama block). For a class of identical sequential blocks, ``w_{j,k} ≤ w_{i,k} + 1 - y_i``
-    for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solve.problem.SacProblem.sequential`: valid, it
-    only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
-    Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
-    checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
-    :func:`recompute_lower_bound` bounds every plan from below (fractional knapsack per module).
-
-    Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
-    (same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
-    [0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
-    ``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
-    calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
-
-    Solving: an incumbent from the LP relaxation (round ``y``, re-solve the ratios) is handed to the solver,
-    which proves optimality to ``gap_rel`` (no MILP search at all when the incumbent already meets the LP
-    bounds after branching on the count columns below: a few in-process LPs).
-    Identical candidates (repeated blocks) get a count column ``K = Σ_class y`` branched on first: the LP is
-    weak only in *how many* blocks to checkpoint, and once that count is fixed its bound is nearly tight, so
-    the symmetric search over *which* blocks never starts. (Auxiliary LPs and op-level knapsacks run on
-    in-process HiGHS when highspy is installed.) Solutions are checked exactly in bytes and tiny tolerance
-    violations repaired by raising ratios. With ``op_level`` each checkpointed module's ratio is realised by
-    :func:`~sacplan.solve.ops.select_ops` (saving at most ``floor(A·(1-r))`` bytes), and the reported peak and
-    recompute time are recomputed from the realised discards.
+    The memory model is :mod:`sacplan.timeline` (every event's predicted bytes for a choice of checkpointed
+    calls and discards); the MILP over it is :mod:`sacplan.solve.formulation` (linear in the model's size,
+    no big-M), and the search that proves its optimum is described there and in :mod:`sacplan.solve.search`.
+    Solutions are checked exactly in bytes and tiny tolerance violations repaired by raising ratios. With
+    ``op_level`` each checkpointed module's ratio is realised by :func:`~sacplan.solve.ops.select_ops`
+    (saving at most ``floor(A·(1-r))`` bytes), and the reported peak and recompute time are recomputed from
+    the realised discards.
 
     Args:
         tree: the collected module tree.

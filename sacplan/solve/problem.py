@@ -24,7 +24,8 @@ from sacplan.tree import ModuleTree
 
 
 class SacProblem:
-    """Budget-independent view of a tree for the MILP (see :func:`~sacplan.solve.milp.solve` for the model).
+    """Budget-independent view of a tree for the MILP (memory model: :mod:`sacplan.timeline`; rows:
+    :mod:`sacplan.solve.formulation`).
 
     Args:
         tree: the collected module tree.

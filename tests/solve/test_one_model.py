@@ -38,7 +38,7 @@ def _choice(P: SacProblem, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
 
 def _worst_row(model, x) -> float:
     """Largest violation (GiB) of a row or column bound at columns ``x`` (<= 0: all hold)."""
-    worst = max(max(lb - v, v - ub) for v, lb, ub in zip(x, model.col_lb, model.col_ub))
+    worst = max((max(lb - v, v - ub) for v, lb, ub in zip(x, model.col_lb, model.col_ub)), default=0.0)
     for i in range(model.num_rows):
         a, b = model.row_start[i], model.row_start[i + 1]
         act = sum(v * x[j] for j, v in zip(model.row_index[a:b], model.row_value[a:b]))
