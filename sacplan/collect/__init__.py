@@ -22,7 +22,8 @@ from sacplan.collect.calling import as_inputs, as_loss, call_model
 from sacplan.collect.hf import training_without_cache, transformers_real_paths
 from sacplan.collect.kernels import cuda_host_kernels, host_state_tensors
 from sacplan.collect.runtime import RuntimeModel
-from sacplan.collect.tracker import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord, StepRecorder
+from sacplan.collect.records import ACT, BUFFER, GRAD, INPUT, OPT, PARAM, CallRecord
+from sacplan.collect.tracker import StepRecorder
 from sacplan.devices import DeviceSpec, get_device
 from sacplan.errors import CollectionError, ConfigError, UnsupportedModelError
 from sacplan.fingerprint import input_shapes_of, model_fingerprint
