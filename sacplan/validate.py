@@ -215,8 +215,9 @@ def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], 
     An independent cross-check of the profiler's peak: the state (parameters, buffers, gradients,
     optimizer state, inputs) is registered first, so the peak includes it.
     """
+    from sacplan.collect.records import BUFFER, GRAD, INPUT, OPT, PARAM
     from sacplan.collect.runtime import RuntimeModel
-    from sacplan.collect.tracker import BUFFER, GRAD, INPUT, OPT, PARAM, StepRecorder
+    from sacplan.collect.tracker import StepRecorder
 
     rec = StepRecorder(model, CPU, RuntimeModel(CPU))
     handles = [p.register_post_accumulate_grad_hook(lambda p: rec.relabel(p.grad, GRAD)) for p in model.parameters() if p.requires_grad]

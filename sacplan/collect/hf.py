@@ -30,13 +30,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten_with_path
 
+from sacplan.collect.materialise import is_fake
+
 __all__ = ["training_cache_configs", "training_without_cache", "transformers_real_paths"]
-
-
-def _is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _named_real_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:
@@ -47,7 +43,7 @@ def _named_real_tensors(inputs: Any) -> list[tuple[str, torch.Tensor]]:
         return []
     out = []
     for path, leaf in flat:
-        if isinstance(leaf, torch.Tensor) and not _is_fake(leaf) and leaf.device.type != "meta":
+        if isinstance(leaf, torch.Tensor) and not is_fake(leaf) and leaf.device.type != "meta":
             out.append(("".join(str(k) for k in path), leaf))
     return out
 
@@ -75,7 +71,7 @@ def transformers_real_paths(real_inputs: Any) -> Iterator[None]:
     if orig_packed is not None:
 
         def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-            if _is_fake(position_ids) and not packed:
+            if is_fake(position_ids) and not packed:
                 return None
             return orig_packed(position_ids)
 
@@ -85,7 +81,7 @@ def transformers_real_paths(real_inputs: Any) -> Iterator[None]:
         """``orig`` with a fake padding mask read as dense (None) unless a real mask input holds a zero."""
 
         def check(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-            if padding_mask is not None and _is_fake(padding_mask) and not sparse_mask:
+            if padding_mask is not None and is_fake(padding_mask) and not sparse_mask:
                 padding_mask = None
             return orig(padding_mask, *args, **kwargs)
 

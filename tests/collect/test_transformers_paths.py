@@ -62,8 +62,9 @@ def test_gqa_decoder_collects_the_real_steps_kernels() -> None:
     assert "aten.clone.default" not in names and "aten.expand.default" not in names
     assert names.count("aten._scaled_dot_product_flash_attention_for_cpu.default") == 1
     # And the recorded peak is the real step's, by sacplan's tracker on real tensors.
+    from sacplan.collect.records import BUFFER, INPUT, PARAM
     from sacplan.collect.runtime import RuntimeModel
-    from sacplan.collect.tracker import BUFFER, INPUT, PARAM, StepRecorder
+    from sacplan.collect.tracker import StepRecorder
 
     model = _llama()
     rec = StepRecorder(model, CPU, RuntimeModel(CPU))

@@ -70,8 +70,9 @@ def _measure(rank: int, ws: int, mode: str, order: str, plan_dict: dict, tmp: st
     from torch.utils.flop_counter import FlopCounterMode
 
     from sacplan.apply import applied_plan, apply_plan
+    from sacplan.collect.records import INPUT, OPT, OTHER, PARAM
     from sacplan.collect.runtime import RuntimeModel, flop_mapping
-    from sacplan.collect.tracker import INPUT, OPT, OTHER, PARAM, StepRecorder
+    from sacplan.collect.tracker import StepRecorder
     from sacplan.devices import CPU
     from sacplan.models import get_model
     from sacplan.plan import Plan
