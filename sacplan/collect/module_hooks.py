@@ -4,7 +4,7 @@
 Global forward pre/post hooks (:meth:`ModuleCallHooks.install_module_hooks`) open and close a
 :class:`~sacplan.collect.records.CallRecord` per module call of the recorded step; gradient hooks on the call's
 outputs and inputs mark its backward's start and end. Every such moment closes a segment of the timeline
-(:meth:`~sacplan.collect.timeline.MemoryTimeline.close_segment`), and the call record keeps the per-category
+(:meth:`~sacplan.collect.storage.StorageAccounting.close_segment`), and the call record keeps the per-category
 bytes before, at the peak of and after its forward and backward, its slice of the step's forward ops, and
 what its inputs and outputs hold. Outside the recorded step (the warm-up) the hooks register the same
 gradient hooks, which then record nothing.
@@ -23,12 +23,12 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten
 
 from sacplan.collect.records import ACT, INPUT, CallRecord, OpRecord, Segment
-from sacplan.collect.timeline import MemoryTimeline, storages_of, tensor_bytes_of
+from sacplan.collect.storage import StorageAccounting, storages_of, tensor_bytes_of
 from sacplan.devices import DeviceSpec
 from sacplan.stats import Phase
 
 
-class ModuleCallHooks(MemoryTimeline):
+class ModuleCallHooks(StorageAccounting):
     """The module-call bookkeeping of the recorder (see module docstring).
 
     Args:
@@ -69,7 +69,7 @@ class ModuleCallHooks(MemoryTimeline):
         return tuple(out.items())
 
     def _external_bytes(self, x: Any) -> int:
-        """Bytes (allocator-rounded, as :func:`~sacplan.collect.timeline.tensor_bytes_of` counts them) of the
+        """Bytes (allocator-rounded, as :func:`~sacplan.collect.storage.tensor_bytes_of` counts them) of the
         distinct storages in ``x`` that the step did not allocate: the example inputs (category ``input``) and
         tensors made before the step that are neither parameters nor buffers (untracked)."""
         seen: set[int] = set()

@@ -1,7 +1,7 @@
 """What :class:`~sacplan.collect.tracker.StepRecorder` records: storage categories, forward ops, module calls
 and timeline segments.
 
-Plain data shared by the recorder's parts (:mod:`~sacplan.collect.timeline`, :mod:`~sacplan.collect.module_hooks`,
+Plain data shared by the recorder's parts (:mod:`~sacplan.collect.storage`, :mod:`~sacplan.collect.module_hooks`,
 :mod:`~sacplan.collect.tracker`) and read by :mod:`~sacplan.collect.assemble`, which turns them into
 :class:`~sacplan.stats.ModelStats`. Byte figures are the target allocator's rounded sizes; times are ms.
 """

@@ -2,7 +2,7 @@
 
 :class:`StepRecorder` is a ``TorchDispatchMode`` plus global module hooks, in three layers:
 
-* :mod:`~sacplan.collect.timeline` (storage accounting and the timeline): every *new* output storage is
+* :mod:`~sacplan.collect.storage` (storage accounting and the recorded segments): every *new* output storage is
   registered with the category of the phase it was made in (forward → activation, backward → temp, optimizer
   step → temp; gradients and optimizer state are re-labelled when autograd / the optimizer adopt them) and the
   target allocator's rounded size, and the live bytes per category are running totals;
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sacplan.collect.module_hooks import ModuleCallHooks
 from sacplan.collect.records import ACT, TEMP, OpRecord
 from sacplan.collect.runtime import RuntimeModel, op_flops
-from sacplan.collect.timeline import storages_of
+from sacplan.collect.storage import storages_of
 from sacplan.collect.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
 

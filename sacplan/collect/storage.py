@@ -1,17 +1,18 @@
-"""Storage accounting and the step's memory timeline: the base of :class:`~sacplan.collect.tracker.StepRecorder`.
+"""Storage accounting while a step is recorded: the base of :class:`~sacplan.collect.tracker.StepRecorder`.
 
 * Every storage the step makes is registered once, with its category (see :mod:`~sacplan.collect.records`)
   and the target allocator's rounded size (bytes); a ``weakref.finalize`` on the storage takes it off when it
   dies. Gradients and optimizer state are re-labelled when autograd / the optimizer adopt them.
 * The live bytes per category are running totals, so every hook and op is O(1) in the model size (PyTorch's
   ``MemTracker`` walks all tracked tensors per snapshot, which is why it slows superlinearly).
-* The timeline is a list of :class:`~sacplan.collect.records.Segment`: each module hook closes the current
-  stretch (:meth:`MemoryTimeline.close_segment`), whose peak becomes a :class:`~sacplan.stats.MemoryEvent`.
+* The recorded timeline (what :class:`sacplan.timeline.Timeline` later reads as events) is a list of
+  :class:`~sacplan.collect.records.Segment`: each module hook closes the current
+  stretch (:meth:`StorageAccounting.close_segment`), whose peak becomes a :class:`~sacplan.stats.MemoryEvent`.
   A segment is placed by the position of the step: the open forward calls, the forwards finished, the
   backwards started and finished. That position is kept here and advanced by the module hooks
   (:class:`~sacplan.collect.module_hooks.ModuleCallHooks`).
 * FSDP2 allocates and frees by resizing storages, which no dispatch mode observes:
-  :meth:`MemoryTimeline.install_resize_hook` follows ``UntypedStorage.resize_`` while the recorder is entered.
+  :meth:`StorageAccounting.install_resize_hook` follows ``UntypedStorage.resize_`` while the recorder is entered.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def tensor_bytes_of(x: Any, spec: DeviceSpec) -> int:
     return total
 
 
-class MemoryTimeline:
+class StorageAccounting:
     """Live bytes per storage category and the step's timeline of segments (see module docstring).
 
     A cooperative base class: ``super().__init__()`` goes on to the next class of the recorder
