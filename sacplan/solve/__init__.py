@@ -8,7 +8,7 @@ plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns)
 and ``compat``.
 """
 
-from sacplan.solve.backends import SOLVERS, MilpModel, SolveResult, solve_model
+from sacplan.solve.backends import SOLVERS, solve_model
 from sacplan.solve.certify import Certificate, certify, every_unit
 from sacplan.solve.compat import sac_milp
 from sacplan.solve.milp import (
@@ -18,6 +18,7 @@ from sacplan.solve.milp import (
     recompute_lower_bound,
     solve,
 )
+from sacplan.solve.model import MilpModel, SolveResult
 from sacplan.solve.ops import ModuleOptions, OpSelection, module_options, select_ops
 from sacplan.solve.problem import SacProblem
 
