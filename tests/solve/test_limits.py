@@ -21,8 +21,8 @@ from sacplan.errors import ConfigError
 from sacplan.solve import TimeLimitWarning, baseline_peak, certify, min_feasible_budget, recompute_lower_bound, sac_milp, solve
 from sacplan.solve import limits
 from sacplan.solve.backends import solve_model
+from sacplan.solve.front import thin_front
 from sacplan.solve.model import MilpModel
-from sacplan.solve.ops import thin_front
 from sacplan.sweep import sweep
 from sacplan.testing.llama_tree import llama_tree
 
