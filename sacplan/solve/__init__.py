@@ -4,13 +4,20 @@
 :mod:`sacplan.solve.formulation`. The MILP's layers, top down: ``milp`` (entry points), ``search`` (incumbent, repair, min-peak
 plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns), ``problem``
 (:class:`SacProblem`: the timeline and exact evaluation), ``candidates`` (checkpointable modules). Beside them:
-``ops`` (op-level options and selection), ``backends`` (MILP/LP solvers), ``limits`` (time budget), ``certify``
-and ``compat``.
+
+* op level, top down: ``ops`` (a module's save list at one budget, its options, its lower-bound lines),
+  ``front`` (the Pareto front of save lists and its thinning), ``knapsack`` (the knapsack at one budget,
+  :class:`OpSelection`), ``groups`` (the ops decided together);
+* solvers, top down: ``lp_proof`` (an incumbent proven optimal by LP bounds), ``backends`` (solver choice and
+  :func:`solve_model`), ``cbc`` and ``highs`` (one back-end each), ``model`` (:class:`MilpModel`,
+  :class:`SolveResult`, status codes);
+* ``limits`` (time budget), ``certify`` and ``compat``.
 """
 
-from sacplan.solve.backends import SOLVERS, MilpModel, SolveResult, solve_model
+from sacplan.solve.backends import SOLVERS, solve_model
 from sacplan.solve.certify import Certificate, certify, every_unit
 from sacplan.solve.compat import sac_milp
+from sacplan.solve.knapsack import OpSelection
 from sacplan.solve.milp import (
     TimeLimitWarning,
     baseline_peak,
@@ -18,7 +25,8 @@ from sacplan.solve.milp import (
     recompute_lower_bound,
     solve,
 )
-from sacplan.solve.ops import ModuleOptions, OpSelection, module_options, select_ops
+from sacplan.solve.model import MilpModel, SolveResult
+from sacplan.solve.ops import ModuleOptions, module_options, select_ops
 from sacplan.solve.problem import SacProblem
 
 __all__ = [

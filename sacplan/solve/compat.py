@@ -30,7 +30,9 @@ import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solve.limits import DEFAULT_SOLVE_S, check_time_limit, deadline
-from sacplan.solve.backends import OPTIMAL, TIME_LIMIT, MilpModel, check_solver, prove_by_lp_branching, solve_model
+from sacplan.solve.backends import check_solver, solve_model
+from sacplan.solve.lp_proof import prove_by_lp_branching
+from sacplan.solve.model import OPTIMAL, TIME_LIMIT, MilpModel
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
 
@@ -304,7 +306,8 @@ def _ratio_up(r: float) -> float:
 
 
 def _warm_start(model: MilpModel, cand: list[int], y: dict[int, int], parent_c: dict[int, int], solver: str):
-    from sacplan.solve.backends import lp_solver, relaxed, relaxed_with_fixed
+    from sacplan.solve.backends import lp_solver
+    from sacplan.solve.model import relaxed, relaxed_with_fixed
 
     aux = lp_solver(solver)
     lp = solve_model(relaxed(model), aux)

@@ -66,7 +66,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sacplan.solve.backends import MilpModel, relaxed_with_fixed
+from sacplan.solve.model import MilpModel, relaxed_with_fixed
 from sacplan.solve.problem import SacProblem
 from sacplan.timeline import BW, FW, OTHER, RC
 from sacplan.units import GiB

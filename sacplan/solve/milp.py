@@ -30,21 +30,9 @@ import numpy as np
 from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
 from sacplan.solve import limits
-from sacplan.solve.backends import (
-    INFEASIBLE,
-    OPTIMAL,
-    TIME_LIMIT,
-    MilpModel,
-    SolveResult,
-    check_solver,
-    interrupted_result,
-    lp_solver,
-    prove_by_lp_branching,
-    relative_gap,
-    relaxed,
-    solve_model,
-)
+from sacplan.solve.backends import check_solver, lp_solver, solve_model
 from sacplan.solve.formulation import MilpIndex, build_budget_model, columns_for, decision_from
+from sacplan.solve.lp_proof import prove_by_lp_branching
 from sacplan.solve.limits import (
     DEFAULT_SOLVE_S,
     SolveInterrupted,
@@ -52,6 +40,16 @@ from sacplan.solve.limits import (
     deadline,
     lifted,
     time_limit_message,
+)
+from sacplan.solve.model import (
+    INFEASIBLE,
+    OPTIMAL,
+    TIME_LIMIT,
+    MilpModel,
+    SolveResult,
+    interrupted_result,
+    relative_gap,
+    relaxed,
 )
 from sacplan.solve.problem import SacProblem
 from sacplan.solve.realise import per_module_peak, realise

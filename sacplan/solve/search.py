@@ -19,9 +19,10 @@ import numpy as np
 
 from sacplan.errors import SolverError
 from sacplan.solve import limits
-from sacplan.solve.backends import MilpModel, SolveResult, lp_solver, relaxed, solve_model
+from sacplan.solve.backends import lp_solver, solve_model
 from sacplan.solve.formulation import MilpIndex, build_min_peak_model, columns_for, decision_from, fix_y
 from sacplan.solve.limits import lifted
+from sacplan.solve.model import MilpModel, SolveResult, relaxed
 from sacplan.solve.problem import SacProblem
 from sacplan.timeline import BW, FW, RC
 

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
-from sacplan.solve.backends import MilpModel, solve_model
+from sacplan.solve.backends import solve_model
+from sacplan.solve.model import MilpModel
 m = MilpModel()
 x = m.add_col("x", 0, 3, True, -1.0)
 m.add_row("r", [x], [2.0], ub=5.0)

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from sacplan.errors import ConfigError
 from sacplan.solve import TimeLimitWarning, baseline_peak, certify, min_feasible_budget, recompute_lower_bound, sac_milp, solve
 from sacplan.solve import limits
-from sacplan.solve.backends import MilpModel, solve_model
-from sacplan.solve.ops import thin_front
+from sacplan.solve.backends import solve_model
+from sacplan.solve.front import thin_front
+from sacplan.solve.model import MilpModel
 from sacplan.sweep import sweep
 from sacplan.testing.llama_tree import llama_tree
 
@@ -271,7 +272,7 @@ def test_a_tiny_limit_still_returns_a_plan_when_no_rounding_of_the_lp_fits(monke
 def test_a_lower_bound_stopped_before_its_root_bound_is_the_lp_relaxations(monkeypatch):
     import importlib
 
-    from sacplan.solve.backends import SolveResult
+    from sacplan.solve.model import SolveResult
 
     milp_mod = importlib.import_module("sacplan.solve.milp")
     tree = llama_tree(8)

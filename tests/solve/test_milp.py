@@ -12,10 +12,10 @@ from sacplan.plan import Plan
 from sacplan.solve import baseline_peak, min_feasible_budget, solve
 from sacplan.solve import milp as milp_mod
 from sacplan.solve import search as search_mod
-from sacplan.solve.backends import TIME_LIMIT, SolveResult
 from sacplan.solve.candidates import envelope
 from sacplan.solve.formulation import build_budget_model
 from sacplan.solve.milp import TimeLimitWarning
+from sacplan.solve.model import TIME_LIMIT, SolveResult
 from sacplan.solve.problem import SacProblem
 from sacplan.testing.llama_tree import llama_tree
 from sacplan.testing.synthetic import GiB, MiB, Spec, build_tree, hand_tree

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
+from sacplan.solve import knapsack as knapsack_mod
 from sacplan.solve import ops as ops_mod
 from sacplan.solve import limits, select_ops
 from sacplan.solve.ops import max_saved_bytes_for
@@ -183,13 +184,13 @@ def _stage():
 
 def _count_milps(monkeypatch):
     calls = []
-    real = ops_mod.solve_model
+    real = knapsack_mod.solve_model
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(ops_mod, "solve_model", counting)
+    monkeypatch.setattr(knapsack_mod, "solve_model", counting)
     return calls
 
 
@@ -222,7 +223,7 @@ def test_sampled_options_past_the_deadline_keep_the_greedy_fill_with_its_slack(m
 
 
 def _list_front(free, cap):
-    """The list-of-tuples DP that ops._front replaced (same merge, filter and thinning), as an oracle."""
+    """The list-of-tuples DP that front.front_of_groups replaced (same merge, filter and thinning), as an oracle."""
     front = [(0, 0.0, 0)]
     complete = True
     for i, g in enumerate(free):
@@ -252,7 +253,7 @@ def _list_front(free, cap):
 def test_array_front_equals_the_list_dp(groups, cap):
     """pareto_front's array DP: the same points, sums, masks and completeness as the plain list DP, ties (equal
     and 1e-13- or 3e-11-apart ms, each side of the 1e-12 tolerance) included."""
-    from sacplan.solve.ops import pareto_front
+    from sacplan.solve.front import pareto_front
 
     ops = [OpStat(index=i, name="aten.mm.default", occurrence=i, out_bytes=b, runtime_ms=m, flops=0, save_cost_bytes=b)
            for i, (b, m) in enumerate(groups)]

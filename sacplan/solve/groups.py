@@ -1,0 +1,111 @@
+"""Op groups of one module: the forward ops a save list decides together, and whether it must save them, may
+choose, or never saves them.
+
+* view ops are always recomputed: they are free and hold no storage of their own;
+* an in-place op is decided together with the op whose output it modifies; a group whose head is itself in-place
+  with no producer inside the module is saved (its input cannot be recomputed inside the module);
+* random ops are all saved or all recomputed together (or all saved with ``force_store_random``), so a
+  recomputation never redraws some random numbers and reuses others.
+
+The tied ops are merged into :class:`OpGroup` s first (union-find); :func:`split_groups` sorts them into always
+saved, free and never saved. The free groups are the items of the knapsacks of :mod:`sacplan.solve.knapsack`
+(one byte budget) and :mod:`sacplan.solve.front` (every budget at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from sacplan.stats import OpStat
+
+
+@dataclass(frozen=True)
+class OpGroup:
+    """Ops decided together: their positions in the op sequence, saved bytes, recompute ms (ops before
+    ``recompute_stop`` only) and whether the choice is forced."""
+
+    members: tuple[int, ...]  # positions in the op sequence
+    bytes: int
+    ms: float
+    fixed: int | None  # 0 / 1 when forced, None when free
+
+
+def _groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[OpGroup]:
+    n = len(ops)
+    pos = {op.index: p for p, op in enumerate(ops)}
+    parent = list(range(n))
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    forced_save = [False] * n
+    for p, op in enumerate(ops):
+        if op.inplace_of is None:
+            continue
+        q = pos.get(op.inplace_of)
+        if q is None or q == p:
+            forced_save[p] = True  # modifies something produced outside the module: keep it
+        else:
+            union(p, q)
+    rand = [p for p, op in enumerate(ops) if op.is_random]
+    if force_store_random:
+        for p in rand:
+            forced_save[p] = True
+    else:
+        for a, b in zip(rand, rand[1:]):
+            union(a, b)
+    members: dict[int, list[int]] = {}
+    for p in range(n):
+        members.setdefault(find(p), []).append(p)
+    out = []
+    for root in sorted(members):
+        ms = members[root]
+        has_view = any(ops[p].is_view for p in ms)
+        fixed: int | None
+        if has_view and all(ops[p].is_view for p in ms):
+            fixed = 0
+        elif has_view:
+            # A view tied to real ops (an in-place op modifying a view): views are always recomputed, so the
+            # whole group is recomputed (as PyTorch's reference MILP does).
+            fixed = 0
+        elif any(forced_save[p] for p in ms):
+            fixed = 1
+        else:
+            fixed = None
+        out.append(
+            OpGroup(
+                members=tuple(ms),
+                bytes=sum(max(0, int(ops[p].save_cost_bytes)) for p in ms),
+                ms=sum(float(ops[p].runtime_ms) for p in ms if ops[p].index < stop),
+                fixed=fixed,
+            )
+        )
+    return out
+
+
+def split_groups(
+    ops: Sequence[OpStat], force_store_random: bool, stop: int
+) -> tuple[list[OpGroup], list[OpGroup], list[OpGroup]]:
+    """The groups as every selection treats them: ``(always saved, free to choose, never saved)``.
+
+    Always saved: forced ones (in-place on outside inputs, random with ``force_store_random``) and those that
+    cost no bytes yet save time. Never saved: views (and what is tied to them) and groups that save no time.
+    Free: the rest — the knapsack items."""
+    always, free, never = [], [], []
+    for g in _groups(ops, force_store_random, stop):
+        if g.fixed == 1 or (g.fixed is None and g.bytes == 0 and g.ms > 0.0):
+            always.append(g)
+        elif g.fixed is None and g.ms > 0.0:
+            free.append(g)
+        else:
+            never.append(g)
+    return always, free, never
