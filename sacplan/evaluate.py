@@ -19,10 +19,11 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from sacplan.devices import checkpoint_state_bytes
+from sacplan.opgroups import op_groups
 from sacplan.opnames import op_keys
 from sacplan.stats import ModuleStats, OpStat
 from sacplan.timeline import RC, Timeline
-from sacplan.tradeoff import greedy_vertices, op_groups, recompute_surge
+from sacplan.tradeoff import greedy_vertices, recompute_surge
 from sacplan.tree import ModuleTree
 
 #: A choice for one module: ``None`` = full checkpointing (save nothing but what must be saved);
@@ -67,7 +68,8 @@ class Prediction:
 def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
     """Discarded bytes (per call) and recompute cost of checkpointing ``stats`` with ``choice``.
 
-    Groups (in-place chains, random ops) are saved whole if any member is named; ops that must be
+    Groups (:func:`~sacplan.opgroups.op_groups`: in-place chains, random ops) are saved whole if any member is
+    named, except groups holding a view, which are always recomputed; ops that must be
     saved (in-place on a tensor from outside the module) are always kept, and so are ops that cost nothing
     to save when ``choice`` is a save list. A full checkpoint (``choice=None``) saves nothing else: its
     recomputation re-runs every op before the early stop, free ones included (as ``apply_plan`` does).
@@ -77,12 +79,12 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
     stop = stats.recompute_stop
     raw = _raw_kept(stats)
     saved_pos: set[int] = set()
-    for head, members in op_groups(ops).items():
-        cost = sum(ops[i].save_cost_bytes for i in members)
-        outside = any(ops[i].inplace_of == i for i in members)
-        named = choice is not None and any(keys[i] in choice for i in members)
-        if outside or named or (cost == 0 and choice is not None):
-            saved_pos.update(members)
+    for g in op_groups(ops, False, stop):
+        if g.fixed == 0:
+            continue  # views, and what is tied to them: always recomputed
+        named = choice is not None and any(keys[i] in choice for i in g.members)
+        if g.fixed == 1 or named or (g.bytes == 0 and choice is not None):
+            saved_pos.update(g.members)
     kept = sum(ops[i].save_cost_bytes for i in saved_pos)
     ms = sum(o.runtime_ms for o in ops if o.index < stop and o.index not in saved_pos)
     flops = sum(o.flops for o in ops if o.index < stop and o.index not in saved_pos)

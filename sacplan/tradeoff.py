@@ -30,45 +30,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from sacplan.opgroups import op_groups
 from sacplan.stats import OpStat, TradeOff
 
 #: Default cap on lines per module before the curve is simplified to chords of its biggest bends.
 DEFAULT_MAX_LINES = 8
-
-
-class _Groups:
-    """Union-find over op indices."""
-
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-
-def op_groups(ops: Sequence[OpStat]) -> dict[int, list[int]]:
-    """Groups of ops decided together, keyed by their first op index (views are left out)."""
-    g = _Groups(len(ops))
-    rand = [o.index for o in ops if o.is_random]
-    for a, b in zip(rand, rand[1:]):
-        g.union(a, b)
-    for o in ops:
-        if o.inplace_of is not None and o.inplace_of != o.index:
-            g.union(o.index, o.inplace_of)
-    groups: dict[int, list[int]] = {}
-    for o in ops:
-        if o.is_view and o.inplace_of is None and not o.is_random:
-            continue
-        groups.setdefault(g.find(o.index), []).append(o.index)
-    return groups
 
 
 def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop: int) -> int:
@@ -104,34 +70,18 @@ def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) 
         ``mandatory_bytes`` is what must be saved whatever the plan.
     """
 
-    def t(i: int) -> float:
-        return ops[i].runtime_ms if i < recompute_stop else 0.0
-
-    def f(i: int) -> int:
-        return ops[i].flops if i < recompute_stop else 0
-
     base_ms = 0.0
     base_flops = 0
     mandatory = 0
     candidates: list[tuple[int, float, int, int]] = []  # (bytes, ms, flops, head)
-    grouped: set[int] = set()
-    for head, members in op_groups(ops).items():
-        grouped.update(members)
-        cost = sum(ops[i].save_cost_bytes for i in members)
-        ms = sum(t(i) for i in members)
-        fl = sum(f(i) for i in members)
-        outside = any(ops[i].inplace_of == i for i in members)
-        if outside or cost == 0:
-            mandatory += cost  # saved in every plan (cost 0: saving is free)
-        elif ms <= 0.0:
-            base_ms += ms
-            base_flops += fl  # always recomputed: no time to save by keeping it
+    for g in op_groups(ops, False, recompute_stop):
+        if g.fixed == 0 or (g.fixed is None and g.bytes > 0 and g.ms <= 0.0):
+            base_ms += g.ms  # always recomputed: views (and what is tied to them), or no time to save by keeping it
+            base_flops += g.flops
+        elif g.fixed == 1 or g.bytes == 0:
+            mandatory += g.bytes  # saved in every plan (in-place on an outside tensor; bytes 0: saving is free)
         else:
-            candidates.append((cost, ms, fl, head))
-    for o in ops:  # views: always recomputed
-        if o.index not in grouped:
-            base_ms += t(o.index)
-            base_flops += f(o.index)
+            candidates.append((g.bytes, g.ms, g.flops, g.members[0]))
     # Greedy: most bytes per ms first; ties by position for determinism.
     candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
     kept = mandatory + sum(c[0] for c in candidates)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sacplan.opgroups import op_groups, split_groups
 from sacplan.stats import OpStat, TradeOff
 from sacplan.tradeoff import (
     DEFAULT_MAX_LINES,
     build_tradeoff,
     greedy_vertices,
-    op_groups,
     staircase,
     staircase_corners,
 )
@@ -122,8 +123,8 @@ def test_inplace_and_random_groups_are_never_split():
         op(5, 0, 0.0, name="aten.view.default", is_view=True),
         op(6, 50, 2.0),
     ]
-    groups = op_groups(ops)
-    assert sorted(map(sorted, groups.values())) == [[0], [1, 4], [2, 3], [6]]  # the view is left out
+    groups = [g.members for g in op_groups(ops, False, len(ops)) if g.fixed != 0]
+    assert sorted(groups) == [(0,), (1, 4), (2, 3), (6,)]  # the view is always recomputed
     vertices, _ = greedy_vertices(ops, 730, len(ops))
     assert len(vertices) == len(groups) + 1
     steps = {b - a for (a, *_), (b, *_) in zip(vertices, vertices[1:])}
@@ -196,3 +197,28 @@ def test_llama_tiny_ops_rebuild_the_same_curve(llama_tiny):
     m = llama_tiny.module("layers.0.feed_forward")
     again = build_tradeoff(m.ops, m.act_bytes[0], m.recompute_stop)
     assert again == m.tradeoff
+
+
+def test_a_view_tied_to_real_ops_is_recomputed_by_the_curve_the_evaluator_and_the_solver_alike():
+    """An in-place op on a view (op 2 modifies op 1, a view of op 0's output): the group {1, 2} holds a view, so
+    every plan recomputes it (as PyTorch's reference MILP does). The trade-off curve once offered it as a
+    choosable item and the evaluator saved it when named, while the solver never would: one rule now."""
+    from sacplan.evaluate import module_outcome
+    from sacplan.opnames import op_keys
+
+    ops = [
+        op(0, 400, 1.0),
+        op(1, 0, 0.0, name="aten.view.default", is_view=True),
+        op(2, 100, 0.5, name="aten.add_.Tensor", inplace_of=1),
+        op(3, 200, 2.0),
+    ]
+    always, free, never = split_groups(ops, False, len(ops))
+    assert [g.members for g in free] == [(0,), (3,)] and [g.members for g in never] == [(1, 2)] and not always
+    vertices, mandatory = greedy_vertices(ops, 700, len(ops))
+    assert mandatory == 0 and len(vertices) == 3  # two choosable groups: 0 and 3
+    assert vertices[0][0] == 100 and vertices[0][1] == 0.5  # the tied group is discarded and recomputed in every plan
+    keys = op_keys(ops)
+    stats = SimpleNamespace(ops=tuple(ops), recompute_stop=len(ops), fqn="m", calls=1, act_bytes=(700,),
+                            tradeoff=build_tradeoff(ops, 700, len(ops)))  # the ModuleStats fields it reads
+    out = module_outcome(stats, frozenset({keys[2], keys[3]}))  # naming the in-place op does not save it
+    assert out.saved_keys == frozenset({keys[3]}) and out.discard_bytes == (500,)

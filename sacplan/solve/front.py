@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sacplan.solve.groups import OpGroup, split_groups
+from sacplan.opgroups import OpGroup, split_groups
 from sacplan.stats import OpStat
 
 #: Pareto points the exact front may hold before it is thinned (see :func:`pareto_front`)

@@ -1,6 +1,6 @@
 """The 0/1 knapsack of one module's free op groups at one byte budget, and the :class:`OpSelection` it yields.
 
-MILP (per module call, over the free groups of :func:`~sacplan.solve.groups.split_groups`, the always-saved ones
+MILP (per module call, over the free groups of :func:`~sacplan.opgroups.split_groups`, the always-saved ones
 taken first):
 
 * ``x_g ∈ {0, 1}``: save group ``g``'s outputs (1) or recompute them (0);
@@ -23,7 +23,7 @@ import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solve.backends import solve_model
-from sacplan.solve.groups import OpGroup
+from sacplan.opgroups import OpGroup
 from sacplan.solve.model import OPTIMAL, MilpModel
 from sacplan.stats import OpStat
 
@@ -67,7 +67,7 @@ def knapsack(
     milp: bool = True,
 ) -> tuple[OpSelection, float]:
     """The 0/1 knapsack of :func:`~sacplan.solve.ops.select_ops` over groups already split by
-    :func:`~sacplan.solve.groups.split_groups`.
+    :func:`~sacplan.opgroups.split_groups`.
 
     Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (``milp=False``
     and the greedy fill was fractional) the ms per call the knapsack's LP relaxation saves beyond the greedy

@@ -2,7 +2,7 @@
 
 * :func:`select_ops`: the save list holding at most ``max_saved_bytes`` that recomputes as little time as
   possible: the exact 0/1 knapsack of :mod:`sacplan.solve.knapsack` over the op groups of
-  :mod:`sacplan.solve.groups`, memoised on the op tuple and the budget (identical blocks cost one solve);
+  :mod:`sacplan.opgroups`, memoised on the op tuple and the budget (identical blocks cost one solve);
 * :func:`module_options`: the module's exact recompute-vs-memory options for the module-level MILP
   (:class:`ModuleOptions`), from the Pareto front of its save lists (:mod:`sacplan.solve.front`), or from
   knapsacks at sampled ratios for a module too large for the front's dynamic programme;
@@ -18,7 +18,7 @@ from typing import Sequence
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solve import limits
 from sacplan.solve.front import FRONT_CAP, front_of_groups, lower_hull_indices, thin_front
-from sacplan.solve.groups import OpGroup, split_groups
+from sacplan.opgroups import OpGroup, split_groups
 from sacplan.solve.knapsack import GreedyFill, OpSelection, knapsack, selection_of
 from sacplan.stats import OpStat
 

@@ -1,5 +1,7 @@
 """Op groups of one module: the forward ops a save list decides together, and whether it must save them, may
-choose, or never saves them.
+choose, or never saves them. The one home of that rule: the trade-off curve (:mod:`sacplan.tradeoff`), the
+evaluation of a given save list (:mod:`sacplan.evaluate`) and the solver's knapsacks (:mod:`sacplan.solve.ops`,
+:mod:`sacplan.solve.front`, :mod:`sacplan.solve.knapsack`) all read it from here.
 
 * view ops are always recomputed: they are free and hold no storage of their own;
 * an in-place op is decided together with the op whose output it modifies; a group whose head is itself in-place
@@ -7,9 +9,9 @@ choose, or never saves them.
 * random ops are all saved or all recomputed together (or all saved with ``force_store_random``), so a
   recomputation never redraws some random numbers and reuses others.
 
-The tied ops are merged into :class:`OpGroup` s first (union-find); :func:`split_groups` sorts them into always
-saved, free and never saved. The free groups are the items of the knapsacks of :mod:`sacplan.solve.knapsack`
-(one byte budget) and :mod:`sacplan.solve.front` (every budget at once).
+The tied ops are merged into :class:`OpGroup` s first (union-find, :func:`op_groups`); :func:`split_groups` sorts
+them into always saved, free and never saved. The free groups are the items of the knapsacks of
+:mod:`sacplan.solve.knapsack` (one byte budget) and :mod:`sacplan.solve.front` (every budget at once).
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from sacplan.stats import OpStat
 
 @dataclass(frozen=True)
 class OpGroup:
-    """Ops decided together: their positions in the op sequence, saved bytes, recompute ms (ops before
-    ``recompute_stop`` only) and whether the choice is forced."""
+    """Ops decided together: their positions in the op sequence, saved bytes, recompute ms and FLOPs (ops
+    before ``recompute_stop`` only) and whether the choice is forced (0: always recomputed, 1: always saved)."""
 
-    members: tuple[int, ...]  # positions in the op sequence
+    members: tuple[int, ...]  # positions in the op sequence, ascending
     bytes: int
     ms: float
     fixed: int | None  # 0 / 1 when forced, None when free
+    flops: int = 0
 
 
-def _groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[OpGroup]:
+def op_groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[OpGroup]:
+    """Every group of ``ops`` (in order of their first op), forced or free; see the module docstring."""
     n = len(ops)
     pos = {op.index: p for p, op in enumerate(ops)}
     parent = list(range(n))
@@ -87,6 +91,7 @@ def _groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[
                 bytes=sum(max(0, int(ops[p].save_cost_bytes)) for p in ms),
                 ms=sum(float(ops[p].runtime_ms) for p in ms if ops[p].index < stop),
                 fixed=fixed,
+                flops=sum(int(ops[p].flops) for p in ms if ops[p].index < stop),
             )
         )
     return out
@@ -101,7 +106,7 @@ def split_groups(
     cost no bytes yet save time. Never saved: views (and what is tied to them) and groups that save no time.
     Free: the rest — the knapsack items."""
     always, free, never = [], [], []
-    for g in _groups(ops, force_store_random, stop):
+    for g in op_groups(ops, force_store_random, stop):
         if g.fixed == 1 or (g.fixed is None and g.bytes == 0 and g.ms > 0.0):
             always.append(g)
         elif g.fixed is None and g.ms > 0.0:
