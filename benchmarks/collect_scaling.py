@@ -50,7 +50,7 @@ def _factory(n_layers: int):
 
 
 def run_sacplan(n_layers: int) -> dict:
-    from sacplan.collect import collect
+    from sacplan.collector import collect
     from sacplan.models.llama import LLAMA_PRESETS, example_tokens, next_token_loss
 
     vocab = LLAMA_PRESETS["llama-7b"].vocab_size

@@ -5,7 +5,7 @@ collected for one training step (bf16 except ResNet-50's fp32 default is kept bf
 library's own loss where it has one: ``labels``), then:
 
 * ``no-AC``: predicted peak without checkpointing; ``peak at``: where that peak sits (phase / module);
-* ``min feasible``: :func:`sacplan.solve.min_feasible_budget`;
+* ``min feasible``: :func:`sacplan.solver.min_feasible_budget`;
 * a plan at the budget midway between the two, solved with a time limit: solve seconds, status / gap, the
   recompute ms it adds per step (H100 roofline).
 
@@ -120,8 +120,8 @@ def _models() -> dict[str, dict[str, Any]]:
 def run_one(name: str, spec: dict[str, Any], time_limit: float) -> dict[str, Any]:
     import torch
 
-    from sacplan.collect import collect
-    from sacplan.solve import baseline_peak, min_feasible_budget, solve
+    from sacplan.collector import collect
+    from sacplan.solver import baseline_peak, min_feasible_budget, solve
     from sacplan.tree import ModuleTree
 
     row: dict[str, Any] = {"model": name, "shape": spec["shape"]}

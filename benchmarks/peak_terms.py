@@ -2,7 +2,7 @@
 
 Both sides run on CPU fake tensors. "sacplan, host kernels" uses the A100's sizes (512 B rounding) with the
 host's own kernels (attention="math"), the same kernels MemTracker sees on the fakes; "sacplan, A100 kernels"
-routes dropout/SDPA/optimizer state as the A100 runs them (sacplan.collect.kernels).
+routes dropout/SDPA/optimizer state as the A100 runs them (sacplan.collector.kernels).
 
     PYTHONPATH=$PWD python3 benchmarks/peak_terms.py [--layers 4 --dim 768 --seq 1024 --batch 8]
 """
@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from sacplan.collect import collect, default_optimizer
+from sacplan.collector import collect, default_optimizer
 from sacplan.devices import get_device
 
 

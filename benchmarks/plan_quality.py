@@ -13,7 +13,7 @@ Fake section: Llama-7B shape (32 layers, seq 4096, bf16) collected for the H100:
 predicted recompute time (sacplan's H100 roofline) of every alternative and of sacplan at the same peak,
 no real allocation. Writes the Pareto picture to benchmarks/plan_quality.png.
 
-At full AC's peak each section also prints :func:`sacplan.solve.certify`: the best plan over *every* plan
+At full AC's peak each section also prints :func:`sacplan.solver.certify`: the best plan over *every* plan
 (every module as a unit, leaves and the root included, each with its whole Pareto front of save lists) and
 the fractional lower bound — whether "a third of full AC" is reachable at all. The real steps are measured
 by the profiler and cross-checked by sacplan's tracker on the real tensors (column "tracker"); "packed" is what
@@ -33,15 +33,15 @@ import warnings
 import torch
 
 from sacplan import alternatives as alt
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.evaluate import predict
 from sacplan.models import get_model
 from sacplan.models.llama import Llama
-from sacplan.solve import certify, min_feasible_budget, solve
+from sacplan.solver import certify, min_feasible_budget, solve
 from sacplan.tree import ModuleTree
-from sacplan.validate import plan_choices
+from sacplan.validation import plan_choices
 
 # Keeps the name "CPU": host-only size rules (oneDNN conv workspaces) are keyed on it.
 FLOP_SPEC = dataclasses.replace(CPU, hbm_bandwidth=1e30)

@@ -13,9 +13,9 @@ milliseconds are derived in its docstring: hidden 4096, seq 4096, batch 1, bf16,
 FSDP over 8 ranks) simulated without checkpointing into the same ``ModelStats`` that ``sacplan.collect``
 produces. For every tree and budget (a fraction of the no-checkpointing peak) the table shows:
 
-* ``sacplan``: :func:`sacplan.solve.solve` on the event-timeline model (build = model + heuristic incumbent,
+* ``sacplan``: :func:`sacplan.solver.solve` on the event-timeline model (build = model + heuristic incumbent,
   solve = branch-and-bound; ``total`` includes op-level realisation), status, gap, MILP objective;
-* ``compat``: :func:`sacplan.solve.sac_milp` on PyTorch's ``Graph`` (``parse_module_info(tree.to_torch_module_info())``)
+* ``compat``: :func:`sacplan.solver.sac_milp` on PyTorch's ``Graph`` (``parse_module_info(tree.to_torch_module_info())``)
   -- PyTorch's memory model, solved to gap 1e-4 by sacplan's formulation;
 * ``ref``: ``torch.distributed._tools.sac_ilp.sac_milp`` on the same ``Graph`` (5% gap, 180 s limit), budget as
   the same fraction of the reference's own baseline peak; skipped above ``--ref-max-blocks`` where it sits at
@@ -37,7 +37,7 @@ import time
 import warnings
 
 from sacplan.errors import InfeasibleBudgetError
-from sacplan.solve import baseline_peak, sac_milp, solve
+from sacplan.solver import baseline_peak, sac_milp, solve
 from sacplan.testing.llama_tree import llama_tree
 from sacplan.units import GiB
 
@@ -149,7 +149,7 @@ def collected_trees(sizes):
     try:
         import torch
 
-        from sacplan.collect import collect
+        from sacplan.collector import collect
         from sacplan.models import get_model
         from sacplan.models.llama import LLAMA_PRESETS, example_tokens, next_token_loss
         from sacplan.tree import ModuleTree
@@ -202,7 +202,7 @@ def issue14_tree(preset, overrides, batch, seq, world_size):
 
 def issue14(args) -> None:
     """Wall seconds of issue 14's cells (collection excluded), per solver, under ``--time-limit`` (default 60 s)."""
-    from sacplan.sweep import sweep
+    from sacplan.budget_sweep import sweep
 
     limit = args.time_limit or 60.0
     print(f"{'cell':34s} {'solver':6s} {'wall s':>7s}  status       {'gap':>9s}  {'recompute ms':>12s}")

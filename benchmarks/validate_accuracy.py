@@ -14,14 +14,14 @@ import argparse
 
 import torch
 
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.models import get_model
-from sacplan.solve import solve
+from sacplan.solver import solve
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB
-from sacplan.validate import validate
+from sacplan.validation import validate
 
 
 def main() -> None:

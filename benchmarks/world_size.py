@@ -5,7 +5,7 @@ One fake step is collected for an H100 (bf16, AdamW foreach, batch 1) on this ho
 exact per-parameter shard shapes from a meta model), and the solver plans per rank:
 
 * ``no-AC peak``: predicted per-rank peak without checkpointing;
-* ``min feasible``: :func:`sacplan.solve.min_feasible_budget` (every block as checkpointed as it can be);
+* ``min feasible``: :func:`sacplan.solver.min_feasible_budget` (every block as checkpointed as it can be);
 * ``plan``: the cheapest plan under the budget (80 GiB), its predicted peak, checkpointed modules and the
   recompute ms it adds per step (H100 roofline), or "infeasible" when ``min feasible`` exceeds the budget.
 * ``AG+RS``: the FSDP collective buffers (all-gathered units, prefetch, reduce-scatter) at the peak event.
@@ -41,11 +41,11 @@ def main() -> None:
 
     import torch
 
-    from sacplan.collect import collect
+    from sacplan.collector import collect
     from sacplan.distributed import shard_stats
     from sacplan.errors import InfeasibleBudgetError, SolverError
     from sacplan.models import get_model
-    from sacplan.solve import baseline_peak, min_feasible_budget, solve
+    from sacplan.solver import baseline_peak, min_feasible_budget, solve
     from sacplan.tree import ModuleTree
 
     preset = get_model("llama-70b")

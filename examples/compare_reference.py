@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from sacplan.collect import collect
-from sacplan.solve import baseline_peak, min_feasible_budget, sac_milp
+from sacplan.collector import collect
+from sacplan.solver import baseline_peak, min_feasible_budget, sac_milp
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.models import get_model
-from sacplan.solve import baseline_peak, solve
+from sacplan.solver import baseline_peak, solve
 from sacplan.tree import ModuleTree
 
 

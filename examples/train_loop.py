@@ -18,9 +18,9 @@ import time
 import torch
 
 from sacplan.apply import apply_plan
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.models import get_model
-from sacplan.solve import baseline_peak, min_feasible_budget, solve
+from sacplan.solver import baseline_peak, min_feasible_budget, solve
 from sacplan.tree import ModuleTree
 
 

@@ -5,11 +5,14 @@ Flow (one direction): ``collect`` (fake training step â†’ :class:`ModelStats`) â
 
 In one call: ``plan = sacplan.fit_to_budget(model, inputs, budget="60GiB", device="h100")`` (collect, solve,
 apply); ``print(sacplan.show_plan(model))`` shows the model with its checkpointed modules marked.
+
+The functions ``sacplan.collect``, ``solve``, ``validate`` and ``sweep`` live in the subpackages and modules
+:mod:`sacplan.collector`, :mod:`sacplan.solver`, :mod:`sacplan.validation` and :mod:`sacplan.budget_sweep`
+(named apart from the functions, so importing one never shadows a function), loaded on first use to keep
+``import sacplan`` light.
 """
 
 import importlib
-import sys
-import types
 
 from sacplan.errors import (
     BudgetError,
@@ -28,39 +31,6 @@ from sacplan.units import Bytes, parse_budget
 __version__ = "0.1.0"
 
 
-def _lazy_function(module: str, name: str) -> property:
-    """A property returning ``module.name``, imported on first use; its setter absorbs the import system's
-    ``setattr(sacplan, <submodule name>, <submodule>)`` (see :class:`_Package`)."""
-
-    def get(self):
-        return getattr(importlib.import_module(module), name)
-
-    def absorb(self, value) -> None:
-        pass
-
-    return property(get, absorb)
-
-
-class _Package(types.ModuleType):
-    """``sacplan.collect``, ``.solve``, ``.validate`` and ``.sweep`` are the functions, loaded lazily (keeps
-    ``import sacplan`` light: no PuLP until needed).
-
-    They share their names with subpackages, and importing a submodule sets the parent's attribute to the
-    module (the first ``sacplan.collect(...)`` imported ``sacplan.collect``, and the second call found a module).
-    Properties on the package's class take precedence over its ``__dict__``, and their setters absorb what
-    the import system sets. The submodules stay importable with ``from sacplan.collect import ...`` and
-    ``importlib.import_module``; ``import sacplan.collect.tracker as t`` does not work (it walks attributes).
-    """
-
-    collect = _lazy_function("sacplan.collect", "collect")
-    solve = _lazy_function("sacplan.solve", "solve")
-    validate = _lazy_function("sacplan.validate", "validate")
-    sweep = _lazy_function("sacplan.sweep", "sweep")
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def __getattr__(name: str):  # lazy: keep `import sacplan` light (no torch/PuLP until needed: `sacplan --help` is fast)
     for module, names in _LAZY.items():
         if name in names:
@@ -76,7 +46,10 @@ _LAZY = {
     "sacplan.devices": ("DeviceSpec", "get_device", "list_devices"),
     "sacplan.stats": ("MemoryEvent", "MemSnapshot", "ModelStats", "ModuleStats", "OpStat", "TradeOff"),
     "sacplan.tree": ("ModuleTree",),
-    "sacplan.solve": ("sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
+    "sacplan.collector": ("collect",),
+    "sacplan.solver": ("solve", "sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
+    "sacplan.validation": ("validate",),
+    "sacplan.budget_sweep": ("sweep",),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),
     "sacplan.enable": ("fit_to_budget", "show_plan"),

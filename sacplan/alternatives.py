@@ -16,11 +16,11 @@ Alternatives (all for the same :class:`~sacplan.tree.ModuleTree`):
    backend ``aot_eager`` on CPU): :func:`measure` with ``compile_budget=``; measured only, not a Plan.
 5. ``reference_milp_plan``: PyTorch's reference ``torch.distributed._tools.sac_ilp.sac_milp`` on the same
    numbers (``tree.to_torch_module_info()`` → ``parse_module_info``), its ``{fqn: discard ratio}`` realised
-   with sacplan's op-level selection (:func:`sacplan.solve.select_ops`).
-6. sacplan's own :func:`sacplan.solve.solve` (not built here).
+   with sacplan's op-level selection (:func:`sacplan.solver.select_ops`).
+6. sacplan's own :func:`sacplan.solver.solve` (not built here).
 
 :func:`measure` runs a real CPU training step (forward + backward, no optimizer) and reports the peak
-(profiler allocator events, :mod:`sacplan.validate`'s method), the activation bytes saved for backward,
+(profiler allocator events, :mod:`sacplan.validation`'s method), the activation bytes saved for backward,
 the recomputed FLOPs (``FlopCounterMode`` step minus the step without checkpointing) and the step time.
 """
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from sacplan.collect.calling import as_inputs, as_loss, call_model
-from sacplan.collect.runtime import flop_mapping
+from sacplan.collector.calling import as_inputs, as_loss, call_model
+from sacplan.collector.runtime import flop_mapping
 from sacplan.evaluate import Choice, module_outcome, predict
 from sacplan.opnames import ATTENTION, op_keys
 from sacplan.plan import ModuleDecision, Plan
@@ -187,7 +187,7 @@ def reference_milp_plan(
     from torch.distributed._tools.ilp_utils import parse_module_info
     from torch.distributed._tools.sac_ilp import sac_milp as ref_sac_milp
 
-    from sacplan.solve.ops import max_saved_bytes_for, select_ops
+    from sacplan.solver.ops import max_saved_bytes_for, select_ops
 
     info_dict = tree.to_torch_module_info()
     graph = parse_module_info(info_dict)
@@ -270,10 +270,10 @@ _FW_END = "sacplan::forward_end"
 
 def _profiled(fn: Callable[[], None], live_at_start: int) -> tuple[int, int]:
     """(peak bytes, bytes allocated and not freed by the end of the forward) of ``fn`` from the profiler's
-    CPU allocator events (the method of :func:`sacplan.validate._cpu_profiled_peak`)."""
+    CPU allocator events (the method of :func:`sacplan.validation._cpu_profiled_peak`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sacplan.collect.workspace import quiet_profiler_logs
+    from sacplan.collector.workspace import quiet_profiler_logs
 
     with quiet_profiler_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -331,7 +331,7 @@ def measure(
     """
     global _FLOP_SINK
     from sacplan.apply import apply_plan
-    from sacplan.validate import live_bytes, state_tensors
+    from sacplan.validation import live_bytes, state_tensors
 
     def build() -> nn.Module:
         torch.manual_seed(seed)
@@ -390,7 +390,7 @@ def measure(
         step_ms = (time.perf_counter() - t0) * 1e3
         tracker_peak = None
         if track and compile_budget is None:
-            from sacplan.validate import tracker_step_peak
+            from sacplan.validation import tracker_step_peak
 
             tracker_peak = int(tracker_step_peak(model, args, step, None))
         state_keys = {_storage_key(t) for t in state_tensors(model, None, args)}

@@ -181,7 +181,7 @@ def _describe(knobs: dict[str, Any]) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sacplan.solve import solve
+    from sacplan.solver import solve
 
     spec, device, budget, knobs = _job(args)
     tree = _collect_tree(args, spec, device, knobs)
@@ -190,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = solve(tree, budget, solver=args.solver, **_limit(args))
     cert = None
     if args.certify:
-        from sacplan.solve import certify
+        from sacplan.solver import certify
 
         if not args.quiet:
             print("sacplan: certifying (every module a unit, whole save-list fronts)", file=sys.stderr, flush=True)
@@ -228,7 +228,7 @@ def _check_plot_path(path: str) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from sacplan.sweep import sweep
+    from sacplan.budget_sweep import sweep
 
     spec, device, _, knobs = _job(args)
     if args.points < 2:
@@ -300,7 +300,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from sacplan.plan import load_plan
-    from sacplan.validate import validate
+    from sacplan.validation import validate
 
     if args.device is not None:
         raise _UsageError(
@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     _WARNED.clear()  # once per distinct text within one run of the CLI
     try:
-        from sacplan.solve.limits import progress_to  # inside the try: Ctrl-C during imports exits 130 too
+        from sacplan.solver.limits import progress_to  # inside the try: Ctrl-C during imports exits 130 too
 
         with warnings.catch_warnings(), progress_to(None if getattr(args, "quiet", False) else sys.stderr):
             warnings.showwarning = _one_line_warning  # no raw Python warning text (file:line, source line)

@@ -103,8 +103,8 @@ class ModelSpec:
         return parse_factory_output(out, self.label)
 
     def collect(self, device: str, *, dtype: str | None, batch: int | None, seq: int | None, progress: Any) -> Any:
-        """:func:`sacplan.collect.collect` of this model."""
-        from sacplan.collect import parse_dtype, collect
+        """:func:`sacplan.collector.collect` of this model."""
+        from sacplan.collector import parse_dtype, collect
 
         if self.preset is not None:
             p = self.preset
@@ -129,7 +129,7 @@ class ModelSpec:
         return collect(model, inputs, device=device, dtype=dtype, model_name=self.label, progress=progress, **kw)
 
     def validation_fns(self, batch: int | None, seq: int | None) -> tuple[Callable[[], Any], Callable[[], Any], Any, Any]:
-        """``(model_fn, inputs_fn, loss_fn, optimizer)`` for :func:`sacplan.validate.validate`."""
+        """``(model_fn, inputs_fn, loss_fn, optimizer)`` for :func:`sacplan.validation.validate`."""
         if self.preset is not None:
             p, ov = self.preset, dict(self.overrides or {})
             return (lambda: p.build(**ov)), (lambda: p.example_inputs(batch, seq)), p.loss_fn, None

@@ -33,7 +33,7 @@ DDP: every rank holds a full replica; with the default ``gradient_as_bucket_view
 buckets (``bucket_cap_mb`` each, all together the size of all gradients) are allocated at construction and
 live for the whole step, so every event grows by the gradient bytes.
 
-The returned stats have ``world_size = N`` (so :func:`sacplan.solve.solve` does not scale state again) and
+The returned stats have ``world_size = N`` (so :func:`sacplan.solver.solve` does not scale state again) and
 ``meta["distributed"]`` describes the collective buffers for reports.
 """
 

@@ -6,7 +6,7 @@
 :func:`fit_to_budget` is the counterpart of ``model.gradient_checkpointing_enable()``: instead of
 checkpointing every block it checkpoints the least it must (whole modules or selected ops) for the
 training step to fit ``budget`` on ``device``. It only composes the public layers
-(:func:`sacplan.collect.collect` → :class:`~sacplan.tree.ModuleTree` → :func:`sacplan.solve.solve` →
+(:func:`sacplan.collector.collect` → :class:`~sacplan.tree.ModuleTree` → :func:`sacplan.solver.solve` →
 :func:`sacplan.apply.apply_plan`); use them one by one to keep the stats, sweep budgets or save plans.
 """
 
@@ -17,12 +17,12 @@ from typing import Any, Callable, Iterable
 from torch import nn
 
 from sacplan.apply import applied_plan, apply_plan
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import DeviceSpec
 from sacplan.errors import ConfigError
 from sacplan.plan import ModuleDecision, Plan
-from sacplan.solve import solve
-from sacplan.solve.limits import DEFAULT_SOLVE_S
+from sacplan.solver import solve
+from sacplan.solver.limits import DEFAULT_SOLVE_S
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB
 
@@ -64,8 +64,8 @@ def fit_to_budget(
         device: the target GPU the step will run on, e.g. ``"h100"``, ``"a100-40gb"`` (``sacplan devices``
             lists them) or a :class:`~sacplan.devices.DeviceSpec` (``DeviceSpec.from_current_cuda()``).
         loss_fn, optimizer, train_step, dtype, world_size, fsdp_units, ddp, model_name, progress: passed
-            to :func:`sacplan.collect.collect` unchanged (``loss_fn`` default: the sum of the output).
-        solver, time_limit_s: passed to :func:`sacplan.solve.solve` (``time_limit_s``: seconds, default 60 as
+            to :func:`sacplan.collector.collect` unchanged (``loss_fn`` default: the sum of the output).
+        solver, time_limit_s: passed to :func:`sacplan.solver.solve` (``time_limit_s``: seconds, default 60 as
             there; None: no limit); stopped there, the best plan found is applied, its gap in ``plan.gap``.
 
     Returns:

@@ -1,7 +1,7 @@
 """Op groups of one module: the forward ops a save list decides together, and whether it must save them, may
 choose, or never saves them. The one home of that rule: the trade-off curve (:mod:`sacplan.tradeoff`), the
-evaluation of a given save list (:mod:`sacplan.evaluate`) and the solver's knapsacks (:mod:`sacplan.solve.ops`,
-:mod:`sacplan.solve.front`, :mod:`sacplan.solve.knapsack`) all read it from here.
+evaluation of a given save list (:mod:`sacplan.evaluate`) and the solver's knapsacks (:mod:`sacplan.solver.ops`,
+:mod:`sacplan.solver.front`, :mod:`sacplan.solver.knapsack`) all read it from here.
 
 * view ops are always recomputed: they are free and hold no storage of their own;
 * an in-place op is decided together with the op whose output it modifies; a group whose head is itself in-place
@@ -11,7 +11,7 @@ evaluation of a given save list (:mod:`sacplan.evaluate`) and the solver's knaps
 
 The tied ops are merged into :class:`OpGroup` s first (union-find, :func:`op_groups`); :func:`split_groups` sorts
 them into always saved, free and never saved. The free groups are the items of the knapsacks of
-:mod:`sacplan.solve.knapsack` (one byte budget) and :mod:`sacplan.solve.front` (every budget at once).
+:mod:`sacplan.solver.knapsack` (one byte budget) and :mod:`sacplan.solver.front` (every budget at once).
 """
 
 from __future__ import annotations

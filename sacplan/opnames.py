@@ -93,7 +93,7 @@ def dropout_is_fused(device_name: str) -> bool:
     """Whether stats/plans for ``device_name`` number dropout as one ``native_dropout`` (a CUDA target).
 
     Collection routes dropout to ``native_dropout`` for every target whose attention is fused (a GPU,
-    see :mod:`sacplan.collect.kernels`); the CPU spec keeps the host's decomposed dropout. Unknown names
+    see :mod:`sacplan.collector.kernels`); the CPU spec keeps the host's decomposed dropout. Unknown names
     (a custom spec) count as GPUs unless named ``"CPU"``.
     """
     from sacplan.devices import get_device

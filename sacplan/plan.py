@@ -1,6 +1,6 @@
 """The result of planning: which modules to checkpoint, how much of each to discard, which ops to save.
 
-A :class:`Plan` is what :func:`sacplan.solve.solve` returns and what ``apply``/``validate``/``export`` read.
+A :class:`Plan` is what :func:`sacplan.solver.solve` returns and what ``apply``/``validate``/``export`` read.
 Every field is JSON-able through :meth:`Plan.to_dict` / :meth:`Plan.from_dict` (sizes in int bytes,
 times in float milliseconds).
 

@@ -152,7 +152,7 @@ def _extra(points: Any) -> list[tuple[str, float, float]]:
 
 
 def plot_pareto(sweep_result: Any, extra_points: Any = None, *, path: Any = None) -> Any:
-    """Recompute ms versus budget from a :class:`~sacplan.sweep.SweepResult`.
+    """Recompute ms versus budget from a :class:`~sacplan.budget_sweep.SweepResult`.
 
     Shows the optimal plans (budget → recompute), their predicted peaks, the no-AC point, the full-AC-per-block
     point and the minimum feasible budget. ``extra_points``: ``{label: (peak_bytes, recompute_ms)}`` or a

@@ -17,7 +17,7 @@ hook events. Each :class:`MemoryEvent` is the peak of one such stretch and says 
   begun) lie before the stretch.
 
 That is all the solver needs to know which checkpointed modules' discarded activations are absent at
-that moment (see :mod:`sacplan.solve`).
+that moment (see :mod:`sacplan.solver`).
 """
 
 from __future__ import annotations

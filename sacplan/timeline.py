@@ -1,7 +1,7 @@
 """The step's memory timeline: sacplan's one memory model.
 
 Every question "what is the peak of this step under this checkpointing choice?" is answered here, by
-:meth:`Timeline.peaks`: the solver's exact evaluation (:class:`sacplan.solve.milp.SacProblem`), the evaluation
+:meth:`Timeline.peaks`: the solver's exact evaluation (:class:`sacplan.solver.milp.SacProblem`), the evaluation
 of any given choice (:func:`sacplan.evaluate.event_peaks`, used by validate, the alternatives and the plots)
 and, through the same event arrays, the MILP's rows.
 

@@ -40,8 +40,8 @@ PLAIN_NUMBER_GIB_LIMIT = MiB
 class Bytes(int):
     """An ``int`` that is a number of bytes whatever its size.
 
-    sacplan returns its own byte figures (:func:`~sacplan.solve.min_feasible_budget`,
-    :func:`~sacplan.solve.baseline_peak`) as ``Bytes`` so that they go straight back into a budget argument:
+    sacplan returns its own byte figures (:func:`~sacplan.solver.min_feasible_budget`,
+    :func:`~sacplan.solver.baseline_peak`) as ``Bytes`` so that they go straight back into a budget argument:
     :func:`parse_budget` reads a plain number below 1 MiB as GiB, which would turn a small model's
     900,000-byte minimum into 838 TiB. Arithmetic on a ``Bytes`` gives a plain ``int`` (read by the plain
     rule again); wrap a derived figure in ``Bytes(...)`` to keep it in bytes.

@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from sacplan import alternatives as alt
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.models import get_model
 from sacplan.models.llama import Llama
 from sacplan.evaluate import predict
-from sacplan.solve import recompute_lower_bound, solve
-from sacplan.validate import plan_choices
+from sacplan.solver import recompute_lower_bound, solve
+from sacplan.validation import plan_choices
 from sacplan.tree import ModuleTree
 
 _PRESET = get_model("llama-tiny")
@@ -108,12 +108,12 @@ def test_recompute_at_full_ac_peak_is_a_third_or_provably_out_of_reach(setup):
     """Where the no-AC peak does not fit: at full AC's peak, sacplan recomputes at most a third of full AC's
     FLOPs, or no plan at all can and sacplan is within 2% of the best plan there is.
 
-    "No plan can" is decided by :func:`~sacplan.solve.certify`: the MILP over every module (leaves and the
+    "No plan can" is decided by :func:`~sacplan.solver.certify`: the MILP over every module (leaves and the
     root too) with each one's whole Pareto front of save lists, proven optimal — the least recompute of any
     plan under the memory model. On this model that is 42.3% of full AC (checkpoint the RMSNorm leaves
     alone, keep most of each block); sacplan's default plan is the same.
     """
-    from sacplan.solve import certify
+    from sacplan.solver import certify
 
     tree, ftree, no_ac, alts = setup
     full, m_full = alts["full_ac_plan"]

@@ -7,10 +7,10 @@ from torch import nn
 
 from sacplan.alternatives import find_blocks
 from sacplan.blocks import repeated_blocks
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.distributed import each_block_units
-from sacplan.sweep import repeated_blocks as sweep_blocks
+from sacplan.budget_sweep import repeated_blocks as sweep_blocks
 from sacplan.tree import ModuleTree
 
 

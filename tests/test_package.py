@@ -11,13 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 _SCRIPT = """
 import sacplan
 assert callable(sacplan.collect) and callable(sacplan.collect)  # twice: the first call imports sacplan.collect
-import sacplan.solve.milp, sacplan.sweep, sacplan.validate, sacplan.collect.tracker  # submodules set attributes
+import sacplan.solver.milp, sacplan.budget_sweep, sacplan.validation  # submodules set attributes
+import sacplan.collector.tracker as tracker  # a plain import of a submodule works (no class swap)
+assert tracker.StepRecorder is not None
 for name in ("collect", "solve", "validate", "sweep", "sac_milp", "min_feasible_budget", "baseline_peak",
              "load_plan", "apply_plan", "remove_plan", "certify", "recompute_lower_bound"):
     f = getattr(sacplan, name)
     assert callable(f) and not isinstance(f, type(sacplan)), (name, f)
-from sacplan.solve import solve
-from sacplan.collect import collect
+from sacplan.solver import solve
+from sacplan.collector import collect
 assert sacplan.solve is solve and sacplan.collect is collect
 try:
     sacplan.no_such_thing

@@ -7,7 +7,7 @@ import pytest
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-from sacplan.collect import collect  # noqa: E402
+from sacplan.collector import collect  # noqa: E402
 from sacplan.plot import plot_memory_timeline, plot_pareto, plot_tradeoff  # noqa: E402
 from sacplan.tree import ModuleTree  # noqa: E402
 
@@ -27,7 +27,7 @@ def _saved(fig, path):
 
 
 def test_memory_timeline(tree, tmp_path):
-    from sacplan.solve import solve
+    from sacplan.solver import solve
 
     plan = solve(tree, "1.75MiB")
     p = tmp_path / "timeline.png"
@@ -55,7 +55,7 @@ def test_tradeoff(tree, tmp_path):
 
 
 def test_pareto(tree, tmp_path):
-    from sacplan.sweep import sweep
+    from sacplan.budget_sweep import sweep
 
     r = sweep(tree, points=4)
     p = tmp_path / "pareto.png"

@@ -16,7 +16,7 @@ import pytest
 
 from sacplan.errors import ConfigError
 from sacplan.evaluate import event_peaks
-from sacplan.solve.problem import SacProblem
+from sacplan.solver.problem import SacProblem
 from sacplan.testing.synthetic import GiB, hand_tree
 from sacplan.timeline import BW, FW, OTHER, RC, Timeline, call_entries
 from sacplan.tree import ModuleTree

@@ -174,7 +174,7 @@ def test_random_op_lists(sizes, max_lines):
 # ----------------------------------------------------------------------------------- real modules
 @pytest.fixture(scope="module")
 def llama_tiny():
-    from sacplan.collect import collect
+    from sacplan.collector import collect
 
     return collect("llama-tiny", device="h100")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.errors import ConfigError
 from sacplan.tree import ModuleTree

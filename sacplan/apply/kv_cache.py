@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from sacplan.collect.hf import training_cache_configs
+from sacplan.collector.hf import training_cache_configs
 from sacplan.errors import UnsupportedModelError
 
 #: Keyword arguments through which Hugging Face layers receive a key/value cache object.

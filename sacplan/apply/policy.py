@@ -49,7 +49,7 @@ def make_policy(
     does not require grad (buffers, inputs without grad) is always saved: recomputing it would read the
     buffer after AOTAutograd's epilogue has written the new value back (an autograd version error).
     ``fused_dropout``: the plan numbers ops as a CUDA target runs them (dropout is one ``native_dropout``,
-    see :mod:`sacplan.collect.kernels`). Eager dropout on a CPU host then decomposes into ``empty_like``,
+    see :mod:`sacplan.collector.kernels`). Eager dropout on a CPU host then decomposes into ``empty_like``,
     ``bernoulli_``, ``div_``, ``mul``: the three non-random companions are not counted and follow the random
     decision, so every other op keeps the plan's occurrence numbers.
     The occurrence counters live in the returned closure, so call this once per forward invocation.

@@ -369,7 +369,7 @@ def build_tree(root: Spec, **kw) -> ModuleTree:
 # ready-made trees
 # ---------------------------------------------------------------------------------------------------------
 def hand_tree(*, state_bytes: int = 0, world_size: int = 1) -> ModuleTree:
-    """Root with two blocks, events written by hand (the worked example in tests/solve/test_milp.py).
+    """Root with two blocks, events written by hand (the worked example in tests/solver/test_milp.py).
 
     b0, b1: A = 4 GiB per call, R = 10 ms, one trade-off line q = 0.2·y + 0.8·r.
     fw_post_order = (b0, b1, ""), bw_pre_order = ("", b1, b0); events (peak_bytes add ``state_bytes``):

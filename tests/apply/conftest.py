@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.models import get_model
 from sacplan.models.llama import Llama

@@ -9,9 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from sacplan.apply import applied_plan, apply_plan, remove_plan
-from sacplan.collect.runtime import flop_mapping
+from sacplan.collector.runtime import flop_mapping
 from sacplan.errors import PlanMismatchError, UnsupportedModelError
-from sacplan.solve import solve
+from sacplan.solver import solve
 
 
 def _step(model, args, loss_fn, seed=1):

@@ -8,7 +8,7 @@ import pytest
 
 from sacplan.apply import apply_plan
 from sacplan.errors import ConfigError
-from sacplan.solve import solve
+from sacplan.solver import solve
 
 
 @pytest.fixture(scope="module")

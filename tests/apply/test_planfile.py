@@ -8,7 +8,7 @@ import pytest
 
 from sacplan.errors import PlanError, PlanMismatchError
 from sacplan.plan import PLAN_FILE_VERSION, Plan, load_plan
-from sacplan.solve import solve
+from sacplan.solver import solve
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from sacplan.apply import apply_plan, remove_plan
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.errors import ConfigError, PlanError
 from sacplan.plan import load_plan
-from sacplan.solve import solve
+from sacplan.solver import solve
 from sacplan.tree import ModuleTree
 
 

@@ -21,7 +21,7 @@ from sacplan.errors import PlanMismatchError
 from sacplan.fingerprint import canonical_fqn, canonical_names, is_wrapper, model_fingerprint
 from sacplan.models import get_model, list_models
 from sacplan.plan import ModuleDecision, load_plan
-from sacplan.solve import solve
+from sacplan.solver import solve
 from tests.distributed import _mp
 
 
@@ -89,7 +89,7 @@ def test_bare_model_fingerprints_are_unchanged():
 
 def test_user_modules_named_like_wrappers_keep_their_names(tmp_path):
     """``module`` / ``enc_module`` are the user's names: matched exactly, fingerprinted as before."""
-    from sacplan.collect import collect
+    from sacplan.collector import collect
     from sacplan.devices import CPU
     from sacplan.tree import ModuleTree
 

@@ -2,7 +2,7 @@
 config objects at tiny sizes (no weights downloaded), dropout on where the model has it.
 
 For each model: collect on fakes for this host -> solve at three budgets (near the minimum feasible, midway,
-near the no-checkpointing peak) -> apply -> :func:`sacplan.validate.validate` on a real CPU step. Checks,
+near the no-checkpointing peak) -> apply -> :func:`sacplan.validation.validate` on a real CPU step. Checks,
 each its own test id per model and budget: predicted vs measured peak within 1%, recomputed FLOPs exact,
 gradients bitwise equal; and per model: ``remove_plan`` restores the model exactly. Steps run without an
 optimizer: at these sizes an AdamW step would hold the peak (parameters dominate), where checkpointing cannot
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from sacplan.apply import apply_plan, remove_plan
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
-from sacplan.solve import min_feasible_budget, solve
+from sacplan.solver import min_feasible_budget, solve
 from sacplan.tree import ModuleTree
-from sacplan.validate import validate
+from sacplan.validation import validate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sacplan.collect.runtime import op_flops
+from sacplan.collector.runtime import op_flops
 
 
 class _Flops(TorchDispatchMode):

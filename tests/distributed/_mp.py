@@ -77,7 +77,7 @@ def spawn(worker: Callable[..., None], ws: int, tmp_path: Path, *args: Any) -> l
 def traced_cpu_memory(fn: Callable[[], None], trace_dir: Path) -> dict[str, int]:
     """``fn()`` under ``torch.profiler`` (CPU memory events); what the caller's thread allocated, in bytes.
 
-    Like :func:`sacplan.collect.workspace.profiled_cpu_peak` (the thread that ran the most ops, running sum
+    Like :func:`sacplan.collector.workspace.profiled_cpu_peak` (the thread that ran the most ops, running sum
     of its ``[memory]`` events, relative to the start), plus address bookkeeping from the exported trace:
 
     * ``peak``: the running sum's maximum (the profiler's peak);

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from sacplan.apply import apply_plan, remove_plan
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.models import get_model
-from sacplan.solve import solve
+from sacplan.solver import solve
 from sacplan.tree import ModuleTree
 from tests.distributed import _mp
 

@@ -1,7 +1,7 @@
 """``apply_plan`` with ``torch.compile`` (single process, ``aot_eager``-equivalent backend on CPU).
 
 The backend is AOTAutograd with no-op compilers that run each forward / backward graph under a dispatch mode
-counting FLOPs as sacplan counts them (``sacplan.collect.runtime.op_flops``). ``FlopCounterMode`` cannot be
+counting FLOPs as sacplan counts them (``sacplan.collector.runtime.op_flops``). ``FlopCounterMode`` cannot be
 used for this: Dynamo does not compile while a ``TorchDispatchMode`` is active, so the step would run eagerly.
 Recomputation shows up as extra FLOPs in the compiled backward graph. Checked, in both orders (plan then
 compile, compile then plan) and with blocks compiled one by one:
@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from sacplan.apply import applied_plan, apply_plan, remove_plan
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.fingerprint import canonical_fqn, model_fingerprint
 from sacplan.models import get_model
 from sacplan.models.llama import Llama
-from sacplan.solve import solve
+from sacplan.solver import solve
 from sacplan.tree import ModuleTree
 from tests.distributed._flops import CountingBackend
 
@@ -186,7 +186,7 @@ def _without_dropout(ops: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def _eager_flops(model: nn.Module, args: tuple, loss_fn) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from sacplan.collect.runtime import flop_mapping
+    from sacplan.collector.runtime import flop_mapping
 
     torch.manual_seed(1)
     with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
@@ -295,7 +295,7 @@ def _fsdp_compile_worker(rank: int, ws: int, rdzv: str, plan_dict: dict, q: Any)
 def test_fsdp2_with_compiled_blocks(tmp_path):
     """2 gloo ranks, blocks compiled: plan applied before compile and FSDP2, or after both."""
     from sacplan.distributed import shard_stats
-    from sacplan.solve import baseline_peak, min_feasible_budget
+    from sacplan.solver import baseline_peak, min_feasible_budget
     from tests.distributed import _mp
 
     preset = get_model("llama-tiny")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from sacplan.cli import main
-from sacplan.collect import collect
+from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.distributed import check_units, shard_stats
 from sacplan.errors import ConfigError
 from sacplan.models import get_model
-from sacplan.solve import sac_milp, solve
+from sacplan.solver import sac_milp, solve
 from sacplan.tree import ModuleTree
 
 
@@ -88,7 +88,7 @@ def test_fsdp_unit_nested_in_a_checkpoint_unit(setup):
     with pytest.raises(ConfigError, match=r"nested inside checkpoint unit 'layers\.0'"):
         check_units(tree, ["layers.0"], ["layers.0.attention"])
     check_units(tree, ["layers.0", "layers.1.attention"], ["layers.0", "layers.1"])  # itself or inside: fine
-    from sacplan.solve import min_feasible_budget
+    from sacplan.solver import min_feasible_budget
 
     per_rank = shard_stats(stats, 2)
     t2 = ModuleTree(per_rank)

@@ -11,7 +11,7 @@ batch. Ranks rendezvous on a FileStore in the test's ``tmp_path`` (no TCP port r
 * the plan is in force: the step's FLOPs exceed the unplanned model's by exactly the plan's
   ``recompute_flops``;
 * the per-rank peak of a later step (optimizer state exists, as in ``collect``), measured by sacplan's
-  :class:`~sacplan.collect.tracker.StepRecorder` on the real tensors (as ``sacplan.validate.tracker_step_peak``),
+  :class:`~sacplan.collector.tracker.StepRecorder` on the real tensors (as ``sacplan.validation.tracker_step_peak``),
   is within 5% of the prediction, and so are the CPU allocator events of ``torch.profiler`` (with 4 ranks,
   up to the frees it provably cannot see: see the bound in the test and ``_mp.traced_cpu_memory``).
 
@@ -70,13 +70,13 @@ def _measure(rank: int, ws: int, mode: str, order: str, plan_dict: dict, tmp: st
     from torch.utils.flop_counter import FlopCounterMode
 
     from sacplan.apply import applied_plan, apply_plan
-    from sacplan.collect.records import INPUT, OPT, OTHER, PARAM
-    from sacplan.collect.runtime import RuntimeModel, flop_mapping
-    from sacplan.collect.tracker import StepRecorder
+    from sacplan.collector.records import INPUT, OPT, OTHER, PARAM
+    from sacplan.collector.runtime import RuntimeModel, flop_mapping
+    from sacplan.collector.tracker import StepRecorder
     from sacplan.devices import CPU
     from sacplan.models import get_model
     from sacplan.plan import Plan
-    from sacplan.validate import live_bytes
+    from sacplan.validation import live_bytes
 
     plan = Plan.from_dict(plan_dict)
     t_start = time.perf_counter()
@@ -164,7 +164,7 @@ def _worker(rank: int, ws: int, rdzv: str, mode: str, order: str, plan_dict: dic
 
 @pytest.fixture(scope="module")
 def cpu_stats():
-    from sacplan.collect import collect
+    from sacplan.collector import collect
     from sacplan.devices import CPU
     from sacplan.models import get_model
 
@@ -178,7 +178,7 @@ def cpu_stats():
 
 def _plan_for(per_rank):
     from sacplan.distributed import check_units
-    from sacplan.solve import baseline_peak, min_feasible_budget, solve
+    from sacplan.solver import baseline_peak, min_feasible_budget, solve
     from sacplan.tree import ModuleTree
 
     tree = ModuleTree(per_rank)

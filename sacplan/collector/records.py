@@ -1,0 +1,97 @@
+"""What :class:`~sacplan.collector.tracker.StepRecorder` records: storage categories, forward ops, module calls
+and timeline segments.
+
+Plain data shared by the recorder's parts (:mod:`~sacplan.collector.storage`, :mod:`~sacplan.collector.module_hooks`,
+:mod:`~sacplan.collector.tracker`) and read by :mod:`~sacplan.collector.assemble`, which turns them into
+:class:`~sacplan.stats.ModelStats`. Byte figures are the target allocator's rounded sizes; times are ms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sacplan.stats import CATEGORIES
+
+#: index of each storage category (:data:`sacplan.stats.CATEGORIES`) in the recorder's per-category counters
+CAT = {name: i for i, name in enumerate(CATEGORIES)}
+PARAM, BUFFER, GRAD, OPT, INPUT, ACT, TEMP, OTHER = (CAT[c] for c in CATEGORIES)
+
+
+@dataclass
+class OpRecord:
+    """A forward op as recorded (indices are global over the step's forward ops)."""
+
+    func: Any
+    new_bytes: int
+    out_sids: tuple[int, ...]  #: storage keys (see ``StepRecorder.storage_key``), not ``id()``s
+    ms: float
+    flops: int
+    is_view: bool
+    is_inplace: bool
+    is_random: bool
+    inplace_parent: int | None
+    #: bytes each output storage added (parallel to ``out_sids``; 0 where the storage existed before the op)
+    out_new: tuple[int, ...] = ()
+    #: live bytes just after the op (outputs allocated, inputs not yet released) plus its kernel scratch
+    live: int = 0
+
+
+@dataclass
+class CallRecord:
+    """One call of one module during the recorded step."""
+
+    fqn: str
+    call: int
+    parent: "CallRecord | None"
+    depth: int
+    op_start: int
+    event_fw_start: int
+    op_end: int = -1
+    last_pack: int = -1
+    pre_fw: tuple[int, ...] = ()
+    post_fw: tuple[int, ...] = ()
+    peak_fw: tuple[int, ...] = ()
+    pre_bw: tuple[int, ...] = ()
+    post_bw: tuple[int, ...] = ()
+    peak_bw: tuple[int, ...] = ()
+    event_bw_start: int = -1
+    alloc_seq_pre: int = 0
+    act_alloc_pre: int = 0
+    act_freed_inside: int = 0
+    act_kept: int = 0
+    out_sids: tuple[int, ...] = ()  #: storage keys of the output (see ``StepRecorder.storage_key``)
+    out_new_bytes: int = 0
+    #: global index of the last forward op that made a new output storage (-1: none)
+    out_op: int = -1
+    input_bytes: int = 0
+    #: bytes of the inputs' storages the step did not allocate: its own example inputs and untracked tensors
+    input_external_bytes: int = 0
+    #: ``(storage key, bytes)`` of the tracked activation storages among the call's tensor inputs
+    input_keys: tuple[tuple[int, int], ...] = ()
+    output_bytes: int = 0
+    fw_ms: float = 0.0
+    bw_ms: float = 0.0
+    fw_flops: int = 0
+    bw_flops: int = 0
+    bw_done: bool = False
+    bw_post_fn: Any = None  # the live backward-post callback (a later one supersedes it)
+    #: parameters whose accumulated gradients end this call's backward (no input of it needs a gradient)
+    end_params: tuple = ()
+
+
+@dataclass
+class Segment:
+    """One stretch of the step's timeline between two hooks: its highest live bytes and, at that moment, the
+    bytes per category (:mod:`~sacplan.collector.assemble` merges segments into
+    :class:`~sacplan.stats.MemoryEvent` entries)."""
+
+    phase: str
+    module: str
+    call: int
+    fw_done: int
+    bw_started: int
+    peak: int
+    cats: tuple[int, ...]
+    extra: int = 0
+    bw_done: int = 0  #: entries of ``bw_post_order`` completed before the stretch

@@ -1,0 +1,184 @@
+"""Run the fake training step under the recorder: a warm-up step (creates optimizer state), then the recorded one.
+
+The step runs inside, from outside in: Hugging Face configs without a key/value cache and the library's real
+attention paths (:mod:`~sacplan.collector.hf`), a CUDA target's host kernels (:mod:`~sacplan.collector.kernels`),
+fake mode, a CUDA target's attention routing (:mod:`~sacplan.collector.attention`) and the
+:class:`~sacplan.collector.tracker.StepRecorder`. Parameter and optimizer hooks re-label gradients and optimizer
+state and mark the optimizer step on the timeline. A failing step raises :class:`~sacplan.errors.CollectionError`
+naming the module (and the aten op) that was running, with a hint on what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from sacplan.collector.attention import FusedAttentionMode
+from sacplan.collector.calling import Inputs, call_model
+from sacplan.collector.hf import training_without_cache, transformers_real_paths
+from sacplan.collector.kernels import cuda_host_kernels, host_state_tensors
+from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
+from sacplan.collector.runtime import RuntimeModel
+from sacplan.collector.tracker import StepRecorder
+from sacplan.devices import DeviceSpec
+from sacplan.errors import CollectionError, ConfigError, UnsupportedModelError
+from sacplan.stats import Phase
+
+#: ``(model, inputs, optimizer) -> Any``: a user's own training step (forward, backward, optimizer step).
+TrainStep = Callable[[nn.Module, tuple, "torch.optim.Optimizer | None"], Any]
+
+
+def run_step(
+    fmodel: nn.Module,
+    args: Inputs,
+    loss: Callable[[Any, Inputs], torch.Tensor],
+    opt: torch.optim.Optimizer | None,
+    train_step: TrainStep | None,
+    spec: DeviceSpec,
+    rt: RuntimeModel,
+    fake_mode: FakeTensorMode,
+    real_inputs: Any,
+    say: Callable[[str], None],
+) -> StepRecorder:
+    """Run the warm-up and the recorded step of ``fmodel`` on ``args`` (fakes) and return the recorder.
+
+    Args:
+        fmodel: the fake model (:func:`~sacplan.collector.materialise.build_fake_model`).
+        args: the forward's arguments, fakes made in ``fake_mode``.
+        loss: ``(output, inputs) -> scalar``, for the built-in step.
+        opt: the optimizer of ``fmodel``'s trainable parameters (None: no optimizer step).
+        train_step: the user's step replacing the built-in one (it then runs twice: warm-up and recorded).
+        spec: the target device; rt: its runtime model.
+        fake_mode: the mode ``fmodel`` and ``args`` were made in.
+        real_inputs: the caller's real example inputs (None when a factory made them), so the fake step runs
+            the attention paths the real one runs (:func:`~sacplan.collector.hf.transformers_real_paths`).
+        say: progress callback.
+
+    Raises:
+        CollectionError: the step failed (CollectionError, ConfigError and UnsupportedModelError pass as they are).
+    """
+    recorder = StepRecorder(fmodel, spec, rt)
+    hooks = _install_state_hooks(fmodel, opt, recorder, cuda_target=spec.attention == "flash")
+    attention = FusedAttentionMode(lambda: setattr(recorder, "next_sdpa_random", True)) if spec.attention == "flash" else contextlib.nullcontext()
+    host_kernels = cuda_host_kernels() if spec.attention == "flash" else contextlib.nullcontext()
+
+    def builtin_step() -> None:
+        out = call_model(fmodel, args)
+        l = loss(out, args)
+        del out
+        recorder.close_segment(Phase.FW)
+        l.backward()
+        del l
+        recorder.close_segment(Phase.BW)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            fmodel.zero_grad(set_to_none=True)
+
+    def user_step() -> None:
+        train_step(fmodel, args, opt)  # type: ignore[misc]
+
+    step = user_step if train_step is not None else builtin_step
+    try:
+        # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
+        # so the fake step runs the kernels the real one runs (restored on exit).
+        with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, fake_mode, attention, recorder:
+            recorder.register(list(fmodel.parameters()), PARAM)
+            recorder.register(list(fmodel.buffers()), BUFFER)
+            recorder.register(args, INPUT)
+            say("warm-up step (creates optimizer state)")
+            if train_step is not None:
+                step()
+            elif opt is not None:
+                _warm_optimizer(fmodel, opt)
+            recorder.close_segment()
+            recorder.recording = True
+            say("recorded step")
+            step()
+            recorder.close_segment(Phase.OTHER)
+            recorder.recording = False
+    except (CollectionError, ConfigError, UnsupportedModelError):
+        raise
+    except Exception as e:  # name the module that was running
+        if recorder.failed_in is not None and recorder.failed_in[1] is e:
+            where = recorder.failed_in[0]  # the forward hooks have unwound fw_stack by now
+        else:
+            where = recorder.fw_stack[-1].fqn if recorder.fw_stack else (recorder.bw_active[-1].fqn if recorder.bw_active else "")
+        op = recorder.failed_op[0] if recorder.failed_op is not None and _caused_by(e, recorder.failed_op[1]) else None
+        raise CollectionError(
+            f"the fake training step failed in module {where or '<top level>'!r} ({type(fmodel).__name__})"
+            f"{f' at {op}' if op is not None else ''}: {type(e).__name__}: {e}. {failure_hint(op, e)}"
+        ) from e
+    finally:
+        for h in hooks:
+            h.remove()
+    return recorder
+
+
+def _warm_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Create optimizer state without a forward/backward: zero grads, one step, grads dropped."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _install_state_hooks(
+    model: nn.Module, opt: torch.optim.Optimizer | None, rec: StepRecorder, cuda_target: bool = False
+) -> list[Any]:
+    handles = []
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p: rec.relabel(p.grad, GRAD)))
+    if opt is not None:
+
+        def pre(o: Any, args: Any, kwargs: Any) -> None:
+            rec.close_segment(Phase.BW if not rec.in_optimizer else Phase.OTHER)
+            rec.in_optimizer = True
+
+        def post(o: Any, args: Any, kwargs: Any) -> None:
+            for state in o.state.values():
+                rec.relabel([v for v in state.values() if isinstance(v, torch.Tensor)], OPT)
+            if cuda_target:
+                rec.untrack(host_state_tensors(o))
+            rec.close_segment(Phase.OTHER)
+            rec.in_optimizer = False
+
+        handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
+    return handles
+
+
+def _caused_by(e: BaseException, cause: BaseException) -> bool:
+    """True when ``cause`` is ``e`` or in its chain of causes / contexts."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if cur is cause:
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def failure_hint(op: Any, e: BaseException) -> str:
+    """What to do when the fake step fails in aten op ``op`` (None: not in an op) with ``e``."""
+    name = str(op) if op is not None else ""
+    text = str(e)
+    if "_grouped_mm" in name and "BF16" in text:
+        return ("PyTorch's fake (meta) kernel of aten._grouped_mm accepts only bf16 inputs (the real CPU kernel also "
+                "runs fp32): collect in bf16 (dtype=torch.bfloat16, what a GPU target runs), or pick a dense experts "
+                "kernel (transformers: config._experts_implementation = 'batched_mm').")
+    if type(e).__name__ == "DynamicOutputShapeException" or "nonzero" in name:
+        return (f"{name or 'an op'} has an output shape that depends on tensor values, which fake tensors do not have "
+                "(a per-expert loop, boolean masking): choose a code path without it (transformers mixture-of-experts: "
+                "config._experts_implementation = 'batched_mm'), or pass a train_step that avoids it.")
+    return ("If the model's constructor or forward needs real data (data-dependent control flow, .item(), numpy), "
+            "pass a factory that builds it on the meta device, or a train_step that avoids it.")

@@ -1,0 +1,220 @@
+"""One dispatch mode that records memory, runtime and per-op SAC facts of a training step.
+
+:class:`StepRecorder` is a ``TorchDispatchMode`` plus global module hooks, in three layers:
+
+* :mod:`~sacplan.collector.storage` (storage accounting and the recorded segments): every *new* output storage is
+  registered with the category of the phase it was made in (forward → activation, backward → temp, optimizer
+  step → temp; gradients and optimizer state are re-labelled when autograd / the optimizer adopt them) and the
+  target allocator's rounded size, and the live bytes per category are running totals;
+* :mod:`~sacplan.collector.module_hooks` (module hooks): every forward pre/post and backward pre/post closes a
+  *segment* of the timeline whose peak becomes a :class:`~sacplan.stats.MemoryEvent`, and records the call;
+* this module (op recording): per aten op, the dispatch mode registers its outputs, estimates its time on the
+  target (:class:`~sacplan.collector.runtime.RuntimeModel`) and adds it to the active modules, and in forward
+  appends an op record (output bytes, view / in-place / random flags, FLOPs) to one global list; each module
+  call remembers its contiguous slice of it. The autograd pack hook marks the tensors autograd saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sacplan.collector.module_hooks import ModuleCallHooks
+from sacplan.collector.records import ACT, TEMP, OpRecord
+from sacplan.collector.runtime import RuntimeModel, op_flops
+from sacplan.collector.storage import storages_of
+from sacplan.collector.workspace import WORKSPACE_OPS, workspace_bytes
+from sacplan.devices import DeviceSpec
+
+try:  # torch >= 2.4
+    from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
+except ImportError:  # pragma: no cover - older torch
+    _SAC_IGNORED = {torch.ops.aten.detach.default}
+
+aten = torch.ops.aten
+#: profiler markers (``record_function`` in ``Optimizer.step``/``zero_grad`` or user code): no kernel, no
+#: memory and no time on any device, so they are neither timed nor recorded as forward ops.
+_PROFILER_OPS = frozenset(
+    getattr(getattr(torch.ops.profiler, packet, None), overload, None)
+    for packet, overload in (
+        ("_record_function_enter", "default"),
+        ("_record_function_enter_new", "default"),
+        ("_record_function_exit", "default"),
+        ("_record_function_exit", "_RecordFunction"),
+    )
+) - {None}
+#: ops never offered to a selective-checkpoint policy (PyTorch skips them too), and profiler markers.
+IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default} | _PROFILER_OPS
+
+_VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}
+
+
+def op_kind(func: Any) -> tuple[bool, bool]:
+    """``(is_view, is_inplace)`` of an aten overload, read from its schema (cached)."""
+    kind = _VIEW_CACHE.get(func)
+    if kind is None:
+        schema = func._schema
+        is_inplace = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        is_view = (not is_inplace) and any(r.alias_info is not None for r in schema.returns)
+        kind = (is_view, is_inplace)
+        _VIEW_CACHE[func] = kind
+    return kind
+
+
+class StepRecorder(ModuleCallHooks, TorchDispatchMode):
+    """Records one training step (see module docstring). Use as a context manager around the step.
+
+    Args:
+        model: the model (its module names become fqns; the root is ``""``).
+        spec: the target device (allocator rounding, roofline figures).
+        runtime: the runtime model.
+    """
+
+    def __init__(self, model: nn.Module, spec: DeviceSpec, runtime: RuntimeModel) -> None:
+        super().__init__(model, spec)
+        self.runtime = runtime
+        #: set by the attention mode when the next attention kernel was called with dropout
+        self.next_sdpa_random = False
+        self.failed_op: tuple[Any, BaseException] | None = None
+        # forward ops
+        self.ops: list[OpRecord] = []
+        self.packed_sids: set[int] = set()  # storage keys of the tensors autograd saved
+        # totals
+        self.fw_ms = self.bw_ms = self.opt_ms = 0.0
+        self.fw_flops = self.bw_flops = 0
+        self._undo: contextlib.ExitStack | None = None
+
+    # ------------------------------------------------------------------ dispatch ------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            self.failed_op = (func, e)  # the op a failing step died in (collect names it)
+            raise
+        if func in IGNORED_OPS:
+            return out
+        is_view, is_inplace = op_kind(func)
+        new_bytes = 0
+        out_sids = []
+        in_bw = torch._C._current_graph_task_id() != -1
+        if in_bw and self.recording:
+            self.bw_seen = True
+        category = TEMP if (in_bw or self.in_optimizer) else ACT
+        fresh = 0
+        out_new = []
+        for st in storages_of(out):
+            sid = id(st)
+            out_sids.append(sid)
+            if sid not in self.storages:
+                fresh += 1
+                out_new.append(self.add_storage(st, category))
+                new_bytes += out_new[-1]
+            else:
+                out_new.append(0)
+        out_keys = tuple(self.storages[sid][2] for sid in out_sids)
+        ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
+        if ws and self.total + ws > self.seg_peak:
+            self.seg_peak = self.total + ws
+            cats = list(self.live)
+            cats[TEMP] += ws
+            self.seg_cats = tuple(cats)
+        if not self.recording:
+            return out
+        if out_sids and not fresh and not is_inplace:
+            # Returns only aliases of existing storages without declaring it (``_unsafe_view``, no-op ``to``):
+            # a view in all but schema. Saving it under SAC would pin its base, so it is treated as a view.
+            is_view = True
+        flops = op_flops(func, args, kwargs, out)
+        ms = self.runtime.estimate(func, args, kwargs, out, flops, is_view)
+        if self.in_optimizer:
+            self.opt_ms += ms
+        elif in_bw:
+            self.bw_ms += ms
+            self.bw_flops += flops
+            for rec in self.bw_active:
+                rec.bw_ms += ms
+                rec.bw_flops += flops
+        else:
+            self.fw_ms += ms
+            self.fw_flops += flops
+            g = len(self.ops)
+            is_random = torch.Tag.nondeterministic_seeded in func.tags
+            if func._overloadpacket in _ATTENTION_PACKETS:
+                # SDPA kernels carry the seeded tag; they are random only when called with dropout.
+                is_random = self.next_sdpa_random or _dropout_arg(func, args, kwargs) > 0
+                self.next_sdpa_random = False
+            parent = None
+            if is_inplace:
+                for sid in out_sids:
+                    if sid in self.sid_creator:
+                        parent = self.sid_creator[sid]
+                        break
+            for sid in out_sids:
+                self.sid_creator.setdefault(sid, g)
+            self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent, tuple(out_new),
+                                     self.total + ws))
+            for rec in self.fw_stack:
+                rec.fw_ms += ms
+                rec.fw_flops += flops
+        return out
+
+    # ------------------------------------------------------------------ autograd pack hook --------
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.recording and torch._C._current_graph_task_id() == -1:
+            try:
+                key = self.storage_key(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                key = None
+            if key is not None:
+                self.packed_sids.add(key)
+            n = len(self.ops)
+            for rec in self.fw_stack:
+                rec.last_pack = n
+        return t
+
+    # ------------------------------------------------------------------ context -------------------
+    def __enter__(self) -> "StepRecorder":
+        # Everything global this installs is undone by ``self._undo`` (last in, first out), also when entering
+        # fails halfway: after the step every global hook dict, ``UntypedStorage.resize_`` and the saved-tensor
+        # hooks stack are as they were (tests/collector/test_global_state.py).
+        with contextlib.ExitStack() as undo:
+            self.install_module_hooks(undo)
+            undo.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            self.install_resize_hook(undo)
+            out = super().__enter__()
+            self._undo = undo.pop_all()
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        undo, self._undo = self._undo, None
+        try:
+            super().__exit__(*exc)
+        finally:
+            if undo is not None:
+                undo.close()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+_ATTENTION_PACKETS = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+}
+
+
+def _dropout_arg(func: Any, args: tuple, kwargs: dict) -> float:
+    if "dropout_p" in kwargs:
+        return float(kwargs["dropout_p"])
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p" and i < len(args):
+            return float(args[i])
+    return 0.0

@@ -1,0 +1,229 @@
+"""Checkpoint candidates: which modules the MILP may checkpoint, and what each one costs to recompute.
+
+* :class:`Candidate`: one module that may be checkpointed (bytes per call, recompute ms, the convex trade-off
+  lines its cost follows, its nearest candidate ancestor);
+* :func:`select_candidates` picks them from a :class:`~sacplan.tree.ModuleTree` (eligibility, ``ac_units``,
+  ``fsdp_units``, the bytes a checkpointed call keeps);
+* :func:`envelope` keeps the trade-off lines that matter on ``r ∈ [0, 1]``; :func:`relaxed_candidate` swaps
+  them for the LP relaxation of the module's op-level knapsack (lower-bound mode).
+
+:class:`~sacplan.solver.problem.SacProblem` builds on these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from sacplan.errors import ConfigError
+from sacplan.solver.ops import fractional_lines
+from sacplan.stats import ModuleStats
+from sacplan.tree import ModuleTree
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module the MILP may checkpoint (``slot`` = its position among candidates, pre-order)."""
+
+    slot: int
+    node: int
+    fqn: str
+    calls: int
+    max_discard_bytes: int  # A (one call, the trade-off's)
+    act_bytes: tuple[int, ...]  # A_{i,c} per call
+    recompute_ms: float  # R (one call)
+    slopes: tuple[float, ...]
+    intercepts: tuple[float, ...]
+    parent_slot: int  # nearest candidate ancestor, -1 if none
+    has_child: bool  # some candidate lies below it
+    #: bytes each call keeps only because it is checkpointed (stashed RNG state, inputs nothing else saves)
+    overhead_bytes: tuple[float, ...] = ()
+    #: smallest discard ratio at which no call keeps more than it frees (``r >= min_ratio`` when checkpointed)
+    min_ratio: float = 0.0
+
+    def cost(self, r: float, y: float = 1.0) -> float:
+        """MILP recompute ms over all calls: ``calls · R · max(0, max_s(slope_s·r + intercept_s·y))``."""
+        if y <= 0:
+            return 0.0
+        q = max([0.0] + [s * r + b * y for s, b in zip(self.slopes, self.intercepts)])
+        return self.calls * self.recompute_ms * q
+
+
+def select_candidates(
+    tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None, ck_overhead: float
+) -> tuple[list[Candidate], list[str]]:
+    """The modules the MILP may checkpoint, in pre-order (slot = position), and notes on named ``ac_units`` that
+    cannot be (each a warning for the user).
+
+    Args:
+        tree: the collected module tree.
+        ac_units: allowed checkpoint units (None: every eligible module except the root).
+        fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
+        ck_overhead: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a
+            CPU target).
+    """
+    notes: list[str] = []
+    if isinstance(ac_units, str) or isinstance(fsdp_units, str):
+        raise ConfigError("ac_units / fsdp_units must be lists of module names, not a single string")
+    named = None
+    if ac_units is not None:
+        named = {tree.node(f).index for f in ac_units}  # ConfigError with suggestions if unknown
+    blocked: set[int] = set()
+    for f in fsdp_units or ():
+        for a in tree.ancestors(f):  # ConfigError with suggestions if unknown
+            blocked.add(a.index)
+    post_calls: dict[str, int] = {}
+    for f in tree.stats.fw_post_order:
+        post_calls[f] = post_calls.get(f, 0) + 1
+    chosen: list[int] = []
+    overheads: dict[int, tuple[tuple[float, ...], float]] = {}
+    for n in tree.nodes:
+        t = n.stats.tradeoff
+        if named is not None and n.index not in named:
+            continue
+        eligible = t is not None and t.max_discard_bytes > 0 and post_calls.get(n.fqn, 0) > 0
+        if named is None and n.parent is None:
+            # the root only when named explicitly. Leaves are candidates: checkpointing a norm layer alone
+            # (recompute a few pointwise ops, drop its fp32 intermediates) is what makes a third of full
+            # AC's recompute reachable at full AC's peak on Llama-7B (15.9% with leaves, 33.4% without).
+            eligible = False
+        if n.index in blocked:
+            if named is not None and eligible:
+                notes.append(
+                    f"ac unit {n.fqn!r} is an ancestor of an FSDP unit and cannot be checkpointed"
+                )
+            continue
+        if not eligible:
+            if named is not None:
+                notes.append(f"ac unit {n.fqn!r} has no discardable activations and is skipped")
+            continue
+        overheads[n.index] = _overheads(n.stats, post_calls[n.fqn], ck_overhead)
+        if overheads[n.index][1] > 1.0:
+            if named is not None:
+                notes.append(
+                    f"ac unit {n.fqn!r} would keep more bytes checkpointed (inputs held until its backward, "
+                    "stashed RNG state) than it can discard, and is skipped"
+                )
+            continue
+        chosen.append(n.index)
+    slot_of = {ni: s for s, ni in enumerate(chosen)}
+    has_child = [False] * len(chosen)
+    parents = []
+    for ni in chosen:
+        p = tree.nodes[ni].parent
+        while p is not None and p not in slot_of:
+            p = tree.nodes[p].parent
+        ps = -1 if p is None else slot_of[p]
+        parents.append(ps)
+        if ps >= 0:
+            has_child[ps] = True
+    out = []
+    for s, ni in enumerate(chosen):
+        n = tree.nodes[ni]
+        t = n.stats.tradeoff
+        assert t is not None
+        calls = post_calls[n.fqn]
+        if not t.slopes or len(t.slopes) != len(t.intercepts):
+            raise ConfigError(
+                f"module {n.fqn!r}: its trade-off needs as many slopes as intercepts (and at least one line)"
+            )
+        env = envelope(t.slopes, t.intercepts)
+        act = tuple(int(a) for a in n.stats.act_bytes) or (int(t.max_discard_bytes),)
+        act = tuple(act[c] if c < len(act) else act[-1] for c in range(calls))
+        over, min_ratio = overheads[ni]
+        out.append(
+            Candidate(
+                slot=s,
+                node=ni,
+                fqn=n.fqn,
+                calls=calls,
+                max_discard_bytes=int(t.max_discard_bytes),
+                act_bytes=act,
+                recompute_ms=float(t.full_recompute_ms),
+                slopes=env[0],
+                intercepts=env[1],
+                parent_slot=parents[s],
+                has_child=has_child[s],
+                overhead_bytes=over,
+                min_ratio=min_ratio,
+            )
+        )
+    return out, notes
+
+
+def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[float, ...], float]:
+    """Per call, the bytes checkpointing keeps besides saved tensors (stashed RNG state on a CPU target,
+    :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and the smallest discard ratio at which every call
+    frees at least that much.
+
+    Checkpointing a call that keeps more than it frees only adds bytes, so only ratios at or above that
+    minimum are offered: this cuts off dominated choices only, and keeps running sums of discards
+    monotone (what lets the MILP's event selection, :mod:`sacplan.solver.formulation`, drop dominated
+    events)."""
+    t = ms.tradeoff
+    assert t is not None
+    act = tuple(int(a) for a in ms.act_bytes) or (int(t.max_discard_bytes),)
+    held = ms.held_input_bytes
+    over = tuple(ck_overhead + float(held[c] if c < len(held) else 0) for c in range(calls))
+    ratios = [o / (act[c] if c < len(act) else act[-1]) if o > 0 else 0.0 for c, o in enumerate(over)]
+    return over, max(ratios, default=0.0)
+
+
+def relaxed_candidate(tree: ModuleTree, c: Candidate) -> Candidate:
+    """``c`` with its cost lines replaced by the LP relaxation of its op-level knapsack (below every achievable
+    option: the lower-bound mode of :class:`~sacplan.solver.problem.SacProblem`); ``c`` itself without ops."""
+    st = tree.nodes[c.node].stats
+    if not st.ops or c.recompute_ms <= 0:
+        return c
+    sl, ic = fractional_lines(st.ops, c.max_discard_bytes, c.recompute_ms, recompute_stop=st.recompute_stop or None)
+    env = envelope(sl, ic)
+    return dataclasses.replace(c, slopes=env[0], intercepts=env[1])
+
+
+def envelope(slopes: Sequence[float], intercepts: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The lines of ``max(0, max_s(slope_s·r + intercept_s))`` that are maximal somewhere on ``r ∈ [0, 1]``.
+
+    Duplicates and lines dominated on [0, 1] (by another line or by ``q ≥ 0``) add rows but no strength: the
+    perspective ``q ≥ slope·r + intercept·y`` of a line dominated on [0, 1] is dominated for every
+    ``0 ≤ r ≤ y``. Returned sorted by slope (at least one line is kept). Memoised (repeated blocks).
+    """
+    return _envelope(tuple(float(a) for a in slopes), tuple(float(b) for b in intercepts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _envelope(slopes: tuple[float, ...], intercepts: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    # merge lines equal up to rounding noise into one that bounds both (so q stays an upper bound)
+    lines: list[tuple[float, float]] = []
+    for sl, ic in sorted(set(zip(slopes, intercepts))):
+        if lines and abs(sl - lines[-1][0]) <= 1e-12 * max(1.0, abs(sl)) and abs(ic - lines[-1][1]) <= 1e-12 * max(1.0, abs(ic)):
+            lines[-1] = (max(sl, lines[-1][0]), max(ic, lines[-1][1]))
+        else:
+            lines.append((sl, ic))
+    a = np.array([l[0] for l in lines])
+    b = np.array([l[1] for l in lines])
+    # candidate abscissae: 0, 1, pairwise crossings and zero crossings inside (0, 1), plus midpoints
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cross = ((b[None, :] - b[:, None]) / (a[:, None] - a[None, :])).ravel()
+        zeros = -b / a
+    pts = np.concatenate([[0.0, 1.0], cross, zeros])
+    pts = np.unique(pts[np.isfinite(pts) & (pts > 0.0) & (pts < 1.0)].tolist() + [0.0, 1.0])
+    xs = np.concatenate([pts, (pts[:-1] + pts[1:]) / 2])
+    vals = a[None, :] * xs[:, None] + b[None, :]  # (points, lines)
+    best = vals.max(axis=1)
+    keep: set[int] = set()
+    for k, x in enumerate(xs):
+        if best[k] <= 1e-15:
+            continue  # q >= 0 is active here
+        tol = 1e-12 * max(1.0, abs(best[k]))
+        winners = np.nonzero(vals[k] >= best[k] - tol)[0]
+        # on ties keep the lines that stay maximal to the right (largest slope) and to the left (smallest)
+        keep.add(int(winners[-1]) if x < 1.0 else int(winners[0]))
+        keep.add(int(winners[0]) if x > 0.0 else int(winners[-1]))
+    if not keep:
+        keep = {int(np.argmax(a + b))}
+    kept = [lines[i] for i in sorted(keep)]
+    return tuple(x for x, _ in kept), tuple(y for _, y in kept)

@@ -1,0 +1,121 @@
+"""How good can any plan be? The best plan over *every* plan, and a lower bound, at one budget.
+
+``solve`` picks among at most ``max_options`` save lists per module and, by default, among every module with
+discardable activations except the root (leaves included). :func:`certify` widens both: the root too
+(:func:`every_unit`) and each module's whole Pareto front of save lists (``max_options=None``). When
+no front had to be thinned and the solver proves optimality, its objective is the least recompute time any
+plan can have under sacplan's memory model — the yardstick for a target such as "a third of full
+checkpointing" — and the fractional bound (:func:`~sacplan.solver.milp.recompute_lower_bound`) over the same
+units is reported beside it (it needs no integer search, so it answers on models where the whole-front MILP
+is too large for the time limit).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from sacplan.errors import SolverError
+from sacplan.solver.limits import DEFAULT_CERTIFY_S, check_time_limit, deadline, remaining
+from sacplan.solver.milp import TimeLimitWarning, recompute_lower_bound, solve
+from sacplan.tree import ModuleTree
+from sacplan.units import parse_budget
+
+
+def every_unit(tree: ModuleTree) -> list[str]:
+    """Every module (leaves and the root included) that has activations a checkpoint could discard."""
+    return [
+        n.fqn
+        for n in tree.nodes
+        if n.stats.tradeoff is not None and n.stats.tradeoff.max_discard_bytes > 0
+    ]
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """What no plan can beat at one budget (milliseconds of recompute on the tree's device).
+
+    Attributes:
+        budget_bytes: the budget (bytes).
+        lower_bound_ms: no plan recomputes less (fractional knapsack per module, every unit).
+        best_ms: the least recompute of any plan when ``proven`` (else the best plan found, or None).
+        proven: ``best_ms`` is proven optimal over every plan (whole fronts, optimal status).
+        status: the solver's status for the whole-front MILP ("optimal", "time_limit", or "not run: …").
+        units: how many modules were allowed as checkpoint units.
+    """
+
+    budget_bytes: int
+    lower_bound_ms: float
+    best_ms: float | None
+    proven: bool
+    status: str
+    units: int
+
+    def summary(self, reference_ms: float | None = None) -> str:
+        """One line; with ``reference_ms`` (e.g. full checkpointing's recompute) also as percentages of it."""
+
+        def pct(v: float | None) -> str:
+            if v is None or not reference_ms:
+                return ""
+            return f" ({v / reference_ms:.2%})"
+
+        best = "none found" if self.best_ms is None else f"{self.best_ms:.6g} ms{pct(self.best_ms)}"
+        if self.proven:
+            kind = "proven optimal over every plan"
+        elif self.status == "optimal":
+            kind = "optimal, but a large module's save lists were sampled: not a proof"
+        else:
+            kind = f"not proven: {self.status}"
+        return (
+            f"best plan {best} [{kind}; {self.units} units, whole save-list fronts]; "
+            f"no plan below {self.lower_bound_ms:.6g} ms{pct(self.lower_bound_ms)}"
+        )
+
+
+def certify(
+    tree: ModuleTree,
+    budget: int | float | str,
+    *,
+    units: list[str] | None = None,
+    solver: str = "auto",
+    time_limit_s: float | None = DEFAULT_CERTIFY_S,
+) -> Certificate:
+    """The best plan over every plan at ``budget`` (proven when tractable) and a lower bound over every plan.
+
+    Args:
+        tree: the collected module tree.
+        budget: as :func:`~sacplan.solver.milp.solve`.
+        units: the checkpoint units allowed (default :func:`every_unit`).
+        solver: MILP back-end.
+        time_limit_s: wall-clock budget (s) of the whole call (default 300; None: none): at most half for the
+            lower bound, the rest for the whole-front MILP; when it stops first the certificate keeps the best plan
+            found, ``proven=False``, and the lower bound. <= 0 or NaN: ConfigError.
+
+    Raises:
+        InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
+    """
+    limit = check_time_limit(time_limit_s)
+    with deadline(limit):
+        return _certify(tree, budget, units, solver, limit)
+
+
+def _certify(
+    tree: ModuleTree, budget: int | float | str, units: list[str] | None, solver: str, time_limit_s: float | None
+) -> Certificate:
+    units = every_unit(tree) if units is None else list(units)
+    budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
+    lb = recompute_lower_bound(tree, budget_bytes, ac_units=units, solver=solver,
+                               time_limit_s=None if time_limit_s is None else time_limit_s / 2)
+    time_limit_s = remaining(time_limit_s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TimeLimitWarning)
+        warnings.simplefilter("ignore", UserWarning)  # units without activations are skipped, by design
+        try:
+            plan = solve(tree, budget_bytes, ac_units=units, max_options=None, solver=solver, time_limit_s=time_limit_s)
+        except SolverError as e:  # e.g. the time limit before any plan
+            return Certificate(budget_bytes, lb, None, False, f"not run: {e}", len(units))
+    if plan.status == "not needed":  # the budget fits without checkpointing
+        return Certificate(budget_bytes, 0.0, 0.0, True, "optimal", len(units))
+    proven = plan.status == "optimal" and bool(plan.meta.get("options_complete")) and math.isfinite(plan.objective_ms)
+    return Certificate(budget_bytes, lb, float(plan.recompute_ms), proven, plan.status, len(units))

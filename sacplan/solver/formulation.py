@@ -1,0 +1,424 @@
+"""The MILP formulation: rows and columns of the budget model and the min-peak model over a :class:`SacProblem`.
+
+The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
+
+* :func:`build_budget_model` writes the budget MILP (minimise recompute ms with every kept event under the
+  budget), :func:`build_min_peak_model` the MILP whose optimum is the smallest feasible budget; both return a
+  :class:`MilpIndex` naming the columns of each candidate;
+* :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
+  :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation.
+
+Events whose worst case fits the budget, or that another event dominates, get no row (:func:`_select_events`).
+Bytes are in GiB in the model, times in ms.
+
+The model
+---------
+For candidate ``i`` (checkpoint flag ``y_i``, discard ratio ``r_i``, per-call discardable bytes ``A_{i,c}``;
+call ``c`` discards ``A_{i,c}·r_i``) every event of :class:`~sacplan.timeline.Timeline` must stay within the
+budget; minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recompute_ms``) subject to
+
+* ``q_i ≥ slope_s · r_i + intercept_s · y_i`` for every trade-off line ``s``, ``q_i ≥ 0`` (the
+  perspective of the convex curve: exact at integer ``y`` and the tightest relaxation; no big-M);
+* ``r_i ≤ y_i``;
+* no nested checkpointing: ``u_i = u_{parent(i)} + y_i ≤ 1`` along candidate chains (``u`` = ``y`` at the
+  top of a chain; a chain's last node needs no ``u`` column);
+* running sums as columns, only where a constraint needs them: ``F_{k'} = F_{k} + Σ_{entries k..k'} A·r/GiB``
+  and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
+  ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
+  ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``.
+
+* ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
+  branching; see below).
+
+Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
+lines. Its options come from :func:`~sacplan.solver.ops.module_options` — the module's exact Pareto front of
+save lists (a knapsack DP over its op groups), pruned to at most ``max_options`` — and it picks one of them:
+``y_i`` selects option 0, ordered binaries ``w_{i,1} ≥ w_{i,2} ≥ …`` (``w_{i,1} ≤ y_i``) step up,
+``r_i = r_0·y_i + Σ_k (r_k - r_{k-1})·w_{i,k}`` and the cost is ``R_i·(q_0·y_i + Σ_k (q_k - q_{k-1})·w_{i,k})``.
+The objective is then what the plan realises (the lines, an upper bound of the achievable staircase,
+were ~16% loose on a Llama block). For a class of identical sequential blocks, ``w_{j,k} ≤ w_{i,k} + 1 - y_i``
+for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solver.problem.SacProblem.sequential`: valid, it
+only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
+Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
+checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
+:func:`~sacplan.solver.milp.recompute_lower_bound` bounds every plan from below (fractional knapsack per module).
+
+Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
+(same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
+[0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
+``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
+calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
+
+Solving: an incumbent from the LP relaxation (round ``y``, re-solve the ratios) is handed to the solver,
+which proves optimality to ``gap_rel`` (no MILP search at all when the incumbent already meets the LP
+bounds after branching on the count columns below: a few in-process LPs).
+Identical candidates (repeated blocks) get a count column ``K = Σ_class y`` branched on first: the LP is
+weak only in *how many* blocks to checkpoint, and once that count is fixed its bound is nearly tight, so
+the symmetric search over *which* blocks never starts. (Auxiliary LPs and op-level knapsacks run on
+in-process HiGHS when highspy is installed.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from sacplan.solver.model import MilpModel, relaxed_with_fixed
+from sacplan.solver.problem import SacProblem
+from sacplan.timeline import BW, FW, OTHER, RC
+from sacplan.units import GiB
+
+
+@dataclass
+class MilpIndex:
+    """Column indices of one built model (which column holds each candidate's ``y``, ``r``, ...)."""
+
+    y: list[int] = field(default_factory=list)
+    r: list[int] = field(default_factory=list)
+    q: dict[int, int] = field(default_factory=dict)  # slot -> q column (trade-off-line candidates)
+    w: dict[int, list[int]] = field(default_factory=dict)  # slot -> option-level columns (exact candidates)
+    N: list[tuple[int, list[int], int]] = field(default_factory=list)  # (count column, class slots, level)
+    u: dict[int, int] = field(default_factory=dict)
+    K: list[int] = field(default_factory=list)
+    F: list[tuple[int, int]] = field(default_factory=list)  # (kc, column), kc ascending
+    G: list[tuple[int, int]] = field(default_factory=list)  # (kc, column), kc descending
+    P: int = -1
+    pruned_events: int = 0
+    kept_events: int = 0
+
+
+def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, MilpIndex, bool]:
+    """The budget MILP (minimise recompute ms). Returns (model, index, trivially_infeasible)."""
+    fw, bw, rc, other, pruned = _select_events(problem, budget)
+    model = MilpModel(name="sacplan_sac")
+    idx = MilpIndex(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
+    _base_columns(problem, model, idx, with_cost=True)
+    infeasible = other > 0 or any(kc == 0 and nd > 0 for kc, nd in fw) or any(
+        kc == len(problem.bw_slot) and nd > 0 for kc, nd in bw
+    )
+    Fcol, Gcol = _sums(
+        problem,
+        model,
+        idx,
+        [kc for kc, _ in fw],
+        [kc for kc, _ in bw] + [kc for kc, *_ in rc],
+        {kc: nd / GiB for kc, nd in fw},
+        {kc: nd / GiB for kc, nd in bw},
+    )
+    for j, (kc, terms, nd, ss) in enumerate(rc):
+        ind, val = _added(problem, idx, terms, ss)
+        model.add_row(f"rc{j}_{kc}", [Gcol[kc]] + ind, [1.0] + [-v for v in val], lb=nd / GiB)
+    return model, idx, infeasible
+
+
+def build_min_peak_model(problem: SacProblem) -> tuple[MilpModel, MilpIndex]:
+    """The MILP minimising the predicted peak P (GiB) under the same structural constraints."""
+    fw, bw, rc, other, pruned = _select_events(problem, None)
+    model = MilpModel(name="sacplan_minpeak")
+    idx = MilpIndex(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
+    _base_columns(problem, model, idx, with_cost=False)
+    lbP = max([0.0, other / GiB if other > -math.inf else 0.0])
+    idx.P = model.add_col("P", lbP, math.inf, False, 1.0)
+    Fcol, Gcol = _sums(
+        problem,
+        model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, *_ in rc], {}, {}
+    )
+    for kc, base in fw:
+        model.add_row(f"pf{kc}", [Fcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
+    for kc, base in bw:
+        model.add_row(f"pb{kc}", [Gcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
+    for j, (kc, terms, base, ss) in enumerate(rc):
+        ind, val = _added(problem, idx, terms, ss)
+        model.add_row(f"pr{j}_{kc}", [Gcol[kc], idx.P] + ind, [1.0, 1.0] + [-v for v in val], lb=base / GiB)
+    return model, idx
+
+
+def columns_for(
+    problem: SacProblem, model: MilpModel, idx: MilpIndex, y: Sequence[float], r: Sequence[float]
+) -> list[float]:
+    """A full column vector for decision (y, r) (q, u, F, G, P filled in consistently)."""
+    x = [0.0] * model.num_cols
+    y = [1.0 if v > 0.5 else 0.0 for v in y]
+    r = [float(min(1.0, max(0.0, rv))) * yv for rv, yv in zip(r, y)]
+    if idx.w:
+        r = [float(v) for v in problem.snap(y, r)]
+        # The symmetry rows want, in a class of identical sequential blocks, the earlier checkpointed block
+        # at the larger discard; sort the discards so (same cost, no event higher: see SacProblem.sequential). Else
+        # the warm start violates them and the solver drops it.
+        for _, members in problem.classes():
+            seq = problem.sequential(members) if len(members) >= 2 and members[0] in idx.w else None
+            on = [s for s in (seq or []) if y[s] > 0.5]
+            for s, v in zip(on, sorted((r[s] for s in on), reverse=True)):
+                r[s] = v
+    for c in problem.candidates:
+        s = c.slot
+        x[idx.y[s]] = y[s]
+        x[idx.r[s]] = r[s]
+        if s in idx.q:
+            x[idx.q[s]] = max([0.0] + [sl * r[s] + ic * y[s] for sl, ic in zip(c.slopes, c.intercepts)])
+        if s in idx.w and y[s] > 0.5:
+            o = problem.options(s)
+            assert o is not None
+            for k in range(o.level_for(r[s])):
+                x[idx.w[s][k]] = 1.0
+    for col, members, k in idx.N:
+        x[col] = float(sum(x[idx.w[s][k]] for s in members))
+    if idx.K:
+        ks = [members for _, members in problem.classes() if len(members) >= 2]
+        for col, members in zip(idx.K, ks):
+            x[col] = float(sum(y[s] for s in members))
+    for c in problem.candidates:  # pre-order: parents first
+        if c.slot in idx.u:
+            p = c.parent_slot
+            up = x[idx.u[p]] if p in idx.u else y[p]
+            x[idx.u[c.slot]] = up + y[c.slot]
+    ra = np.asarray(r)
+    ya = np.asarray(y)
+    if len(problem.fw_slot):
+        d = (problem.fw_amt * ra[problem.fw_slot] - problem.fw_over * ya[problem.fw_slot]) / GiB
+        F = np.concatenate([[0.0], np.cumsum(d)])
+        for kc, col in idx.F:
+            x[col] = float(F[kc])
+    if len(problem.bw_slot):
+        d = (problem.bw_amt * ra[problem.bw_slot] - problem.bw_over * ya[problem.bw_slot]) / GiB
+        B = np.concatenate([[0.0], np.cumsum(d)])
+        for kc, col in idx.G:
+            x[col] = float(B[-1] - B[kc])
+    if idx.P >= 0:
+        x[idx.P] = problem.peak(y, r) / GiB
+    return x
+
+
+def decision_from(problem: SacProblem, idx: MilpIndex, x: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The decision (y, r) a column vector ``x`` of a model built here encodes (exact candidates: the ratio of
+    the option its level columns reach)."""
+    y = np.array([1.0 if x[j] > 0.5 else 0.0 for j in idx.y])
+    r = np.array([min(1.0, max(0.0, x[j])) for j in idx.r]) * y
+    for s, cols in idx.w.items():  # exact candidates: the option level from the level columns
+        o = problem.options(s)
+        if o is not None and y[s] > 0.5:
+            r[s] = o.ratio[int(sum(1 for j in cols if x[j] > 0.5))]
+    return y, r
+
+
+def fix_y(model: MilpModel, idx: MilpIndex, y: np.ndarray) -> MilpModel:
+    """The LP relaxation of ``model`` with every checkpoint flag fixed to ``y`` (the ratios left free)."""
+    return relaxed_with_fixed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
+
+
+def _select_events(
+    problem: SacProblem, budget: float | None
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, tuple[tuple[int, float], ...], float, int]], float, int]:
+    """Constraints that remain after pruning and dominance.
+
+    Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
+    [(kc, ((slot, bytes added if checkpointed), ...), need, surge slot)] for the events where checkpointing
+    adds bytes (surge slot: the slot whose option-dependent :meth:`SacProblem.surge` the event adds, else -1),
+    the largest ``other`` need, and the number of events dropped. ``need`` is
+    ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
+    """
+    b = 0.0 if budget is None else float(budget)
+    need = problem.ev_base - b
+    ph = problem.ev_phase
+    n_total = len(need)
+    other = float(np.max(need[ph == OTHER])) if np.any(ph == OTHER) else -math.inf
+    prune = budget is not None
+    # forward: F non-decreasing in kc -> keep strictly increasing needs along kc
+    fw_best: dict[int, float] = {}
+    # checkpointing can also *add* bytes (the per-call overhead): keep events that overhead could push over
+    slack = max(float(problem.fw_over.sum()), float(problem.bw_over.sum()))
+    sel = np.nonzero((ph == FW) & ((need + slack > 0) if prune else True))[0]
+    for i in sel:
+        kc = int(problem.kc_fw[problem.ev_k[i]])
+        if need[i] > fw_best.get(kc, -math.inf):
+            fw_best[kc] = float(need[i])
+    # dominance needs monotone running sums: d = A·r - o·y >= 0 for every call, which the rows
+    # r >= min_ratio·y of :func:`_base_columns` guarantee (see :attr:`~sacplan.solver.candidates.Candidate.min_ratio`)
+    dominate = True
+    fw, run = [], -math.inf
+    for kc in sorted(fw_best):
+        if fw_best[kc] > run or not dominate:
+            fw.append((kc, fw_best[kc]))
+            run = fw_best[kc]
+    # backward: G (discards not yet re-materialised) non-increasing in kc
+    bw_best: dict[int, float] = {}
+    sel = np.nonzero((ph == BW) & ((need + slack > 0) if prune else True))[0]
+    for i in sel:
+        kc = int(problem.kc_bw[problem.ev_k[i]])
+        if need[i] > bw_best.get(kc, -math.inf):
+            bw_best[kc] = float(need[i])
+    bw, run = [], -math.inf
+    for kc in sorted(bw_best, reverse=True):
+        if bw_best[kc] > run or not dominate:
+            bw.append((kc, bw_best[kc]))
+            run = bw_best[kc]
+    # events where checkpointing adds bytes (rc events, calls inside their backward): Pareto-maximal
+    # (need, added bytes) per (kc, slots)
+    groups: dict[tuple[int, tuple[int, ...], int], list[tuple[float, tuple[float, ...]]]] = {}
+    for i in np.nonzero(ph == RC)[0]:
+        terms = problem.ev_terms[i]
+        ss = int(problem.ev_surge[i])
+        top = max(problem.surge(ss)) if ss >= 0 else 0
+        if prune and need[i] + slack + sum(cf for _, cf in terms) + top <= 0:
+            continue
+        key = (int(problem.kc_bw[problem.ev_k[i]]), tuple(sl for sl, _ in terms), ss)
+        groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
+    rc: list[tuple[int, tuple[tuple[int, float], ...], float, int]] = []
+    for key in sorted(groups):
+        kept_coefs: list[tuple[float, ...]] = []
+        for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
+            if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept_coefs):
+                rc.append((key[0], tuple(zip(key[1], cfs)), nd, key[2]))
+                kept_coefs.append(cfs)
+    kept = len(fw) + len(bw) + len(rc) + (1 if other > -math.inf else 0)
+    return fw, bw, rc, other, n_total - kept
+
+
+def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_cost: bool) -> None:
+    for c in problem.candidates:
+        idx.y.append(model.add_col(f"y{c.slot}", 0.0, 1.0, True))
+        idx.r.append(model.add_col(f"r{c.slot}", 0.0, 1.0))
+    for c in problem.candidates:
+        s = c.slot
+        model.add_row(f"ry{s}", [idx.r[s], idx.y[s]], [1.0, -1.0], ub=0.0)
+        if c.min_ratio > 0:  # a checkpointed call frees at least what it keeps (see Candidate.min_ratio)
+            model.add_row(f"rmin{s}", [idx.r[s], idx.y[s]], [1.0, -c.min_ratio], lb=0.0)
+    # no nested checkpointing: U_i = U_parent + y_i <= 1 along candidate chains
+    for c in problem.candidates:
+        s = c.slot
+        if c.parent_slot < 0:
+            continue
+        p = c.parent_slot
+        up = idx.u.get(p, idx.y[p])
+        if c.has_child:
+            idx.u[s] = model.add_col(f"u{s}", 0.0, 1.0)
+            model.add_row(f"nest{s}", [idx.u[s], up, idx.y[s]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
+        else:
+            model.add_row(f"nest{s}", [up, idx.y[s]], [1.0, 1.0], ub=1.0)
+    if with_cost:
+        # Identical candidates (repeated blocks) form a class; K = Σ_{class} y is integer. The row is
+        # redundant (valid for any grouping) but lets branch-and-bound branch on *how many* blocks to
+        # checkpoint instead of on which, the source of the symmetric stall.
+        for key, members in problem.classes():
+            if len(members) < 2:
+                continue
+            k = model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
+            idx.K.append(k)
+            model.add_row(f"Kdef{members[0]}", [k] + [idx.y[s] for s in members], [1.0] + [-1.0] * len(members), lb=0.0, ub=0.0)
+        for c in problem.candidates:
+            s = c.slot
+            w = c.calls * c.recompute_ms
+            o = problem.options(s)
+            if o is not None:
+                # exact: y picks option 0, level columns w_k (ordered) step up to option k:
+                # r = r_0·y + Σ (r_k - r_{k-1})·w_k, cost = R·(q_0·y + Σ (q_k - q_{k-1})·w_k)
+                model.col_cost[idx.y[s]] = w * o.frac[0]
+                cols = []
+                for k in range(1, len(o.ratio)):
+                    cols.append(model.add_col(f"w{s}_{k}", 0.0, 1.0, True, w * (o.frac[k] - o.frac[k - 1])))
+                    prev = idx.y[s] if k == 1 else cols[-2]
+                    model.add_row(f"wo{s}_{k}", [cols[-1], prev], [1.0, -1.0], ub=0.0)
+                idx.w[s] = cols
+                model.add_row(
+                    f"rdef{s}",
+                    [idx.r[s], idx.y[s]] + cols,
+                    [1.0, -o.ratio[0]] + [-(o.ratio[k] - o.ratio[k - 1]) for k in range(1, len(o.ratio))],
+                    lb=0.0,
+                    ub=0.0,
+                )
+                continue
+            idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
+            for li, (sl, ic) in enumerate(zip(c.slopes, c.intercepts)):
+                if sl <= 0 and ic <= 0:
+                    continue  # implied by q >= 0
+                model.add_row(f"line{s}_{li}", [idx.q[s], idx.r[s], idx.y[s]], [1.0, -sl, -ic], lb=0.0)
+        # exact classes: how many members reach each option level (integer, branched on with K)
+        for key, members in problem.classes():
+            if len(members) < 2 or members[0] not in idx.w:
+                continue
+            for k in range(len(idx.w[members[0]])):
+                n = model.add_col(f"N{members[0]}_{k + 1}", 0.0, float(len(members)), True)
+                idx.N.append((n, members, k))
+                model.add_row(
+                    f"Ndef{members[0]}_{k + 1}",
+                    [n] + [idx.w[s][k] for s in members],
+                    [1.0] + [-1.0] * len(members),
+                    lb=0.0,
+                    ub=0.0,
+                )
+            # Symmetry breaking (valid, see :meth:`SacProblem.sequential`): of two checkpointed members, the earlier one
+            # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
+            seq = problem.sequential(members)
+            if seq is not None:
+                for i, j in zip(seq, seq[1:]):
+                    for k in range(len(idx.w[i])):
+                        model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
+
+
+def _sums(
+    problem: SacProblem,
+    model: MilpModel,
+    idx: MilpIndex,
+    fw_kcs: Sequence[int],
+    bw_kcs: Sequence[int],
+    fw_lb: dict[int, float],
+    bw_lb: dict[int, float],
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised)."""
+    Fcol: dict[int, int] = {}
+    prev_col, prev_kc = -1, 0
+    for kc in sorted(set(fw_kcs)):
+        col = model.add_col(f"F{kc}", fw_lb.get(kc, -math.inf), math.inf)
+        ind, val = [col], [1.0]
+        if prev_col >= 0:
+            ind.append(prev_col)
+            val.append(-1.0)
+        for p in range(prev_kc, kc):
+            ind.append(idx.r[int(problem.fw_slot[p])])
+            val.append(-problem.fw_amt[p] / GiB)
+            if problem.fw_over[p]:
+                ind.append(idx.y[int(problem.fw_slot[p])])
+                val.append(problem.fw_over[p] / GiB)
+        model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
+        Fcol[kc] = col
+        idx.F.append((kc, col))
+        prev_col, prev_kc = col, kc
+    Gcol: dict[int, int] = {}
+    total = len(problem.bw_slot)
+    prev_col, prev_kc = -1, total
+    for kc in sorted(set(bw_kcs), reverse=True):
+        col = model.add_col(f"G{kc}", bw_lb.get(kc, -math.inf), math.inf)
+        ind, val = [col], [1.0]
+        if prev_col >= 0:
+            ind.append(prev_col)
+            val.append(-1.0)
+        for p in range(kc, prev_kc):
+            ind.append(idx.r[int(problem.bw_slot[p])])
+            val.append(-problem.bw_amt[p] / GiB)
+            if problem.bw_over[p]:
+                ind.append(idx.y[int(problem.bw_slot[p])])
+                val.append(problem.bw_over[p] / GiB)
+        model.add_row(f"Gdef{kc}", ind, val, lb=0.0, ub=0.0)
+        Gcol[kc] = col
+        idx.G.append((kc, col))
+        prev_col, prev_kc = col, kc
+    return Fcol, Gcol
+
+
+def _added(
+    problem: SacProblem, idx: MilpIndex, terms: Sequence[tuple[int, float]], ss: int
+) -> tuple[list[int], list[float]]:
+    """Columns and GiB coefficients of what checkpointing adds at an rc event: ``terms`` on the ``y`` columns
+    and, for the surge slot ``ss``, its option-dependent surge on its level columns (option 0 on ``y``:
+    ``surge_0·y + Σ_k (surge_k - surge_{k-1})·w_k``, exact for the option the levels pick)."""
+    coef = {idx.y[s]: cf / GiB for s, cf in terms}
+    if ss >= 0 and ss in idx.w:
+        sg = problem.surge(ss)
+        coef[idx.y[ss]] = coef.get(idx.y[ss], 0.0) + sg[0] / GiB
+        for k, col in enumerate(idx.w[ss], start=1):
+            if sg[k] != sg[k - 1]:
+                coef[col] = (sg[k] - sg[k - 1]) / GiB
+    return list(coef), list(coef.values())

@@ -1,0 +1,310 @@
+"""Op-level choices of one checkpointed module: which of its forward ops to *save*.
+
+* :func:`select_ops`: the save list holding at most ``max_saved_bytes`` that recomputes as little time as
+  possible: the exact 0/1 knapsack of :mod:`sacplan.solver.knapsack` over the op groups of
+  :mod:`sacplan.opgroups`, memoised on the op tuple and the budget (identical blocks cost one solve);
+* :func:`module_options`: the module's exact recompute-vs-memory options for the module-level MILP
+  (:class:`ModuleOptions`), from the Pareto front of its save lists (:mod:`sacplan.solver.front`), or from
+  knapsacks at sampled ratios for a module too large for the front's dynamic programme;
+* :func:`fractional_lines`: lines below every achievable option (the knapsack's LP relaxation), for lower bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from sacplan.errors import ConfigError, InfeasibleBudgetError
+from sacplan.solver import limits
+from sacplan.solver.front import FRONT_CAP, front_of_groups, lower_hull_indices, thin_front
+from sacplan.opgroups import OpGroup, split_groups
+from sacplan.solver.knapsack import GreedyFill, OpSelection, knapsack, selection_of
+from sacplan.stats import OpStat
+
+
+_CACHE: dict[tuple, OpSelection] = {}
+_CACHE_MAX = 4096
+
+
+def clear_cache() -> None:
+    """Forget memoised selections."""
+    _CACHE.clear()
+
+
+def select_ops(
+    ops: Sequence[OpStat],
+    max_saved_bytes: int,
+    *,
+    force_store_random: bool = False,
+    solver: str = "cbc",
+    recompute_stop: int | None = None,
+) -> OpSelection:
+    """Choose the ops of one module to save under ``max_saved_bytes`` (the MILP: :mod:`sacplan.solver.knapsack`).
+
+    Args:
+        ops: the module's forward ops (:class:`~sacplan.stats.OpStat`, first call).
+        max_saved_bytes: bytes the saved ops may hold, per call (``floor(A · (1 - r))`` for discard ratio
+            ``r``).
+        force_store_random: save every random op (no recomputation of random numbers at all).
+        solver: MILP back-end ("cbc" or "highs") for the cases the greedy cannot settle.
+        recompute_stop: ops with index ≥ this are never recomputed (``ModuleStats.recompute_stop``);
+            None = all ops may be recomputed.
+
+    Raises:
+        InfeasibleBudgetError: the ops that must be saved exceed ``max_saved_bytes``.
+    """
+    if max_saved_bytes < 0:
+        raise ConfigError(f"max_saved_bytes must be >= 0, got {max_saved_bytes}")
+    ops = tuple(ops)
+    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    key = (ops, int(max_saved_bytes), bool(force_store_random), stop, str(solver).lower())
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    res = _select(ops, int(max_saved_bytes), force_store_random, solver, stop)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[key] = res
+    return res
+
+
+def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver: str, stop: int) -> OpSelection:
+    always, free, _ = split_groups(ops, force_store_random, stop)
+    return knapsack(ops, always, free, cap, solver, stop)[0]
+
+
+def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
+    """``floor(A · (1 - r))`` with the ratio clipped to [0, 1]."""
+    r = min(1.0, max(0.0, float(discard_ratio)))
+    return int(math.floor(max_discard_bytes * (1.0 - r)))
+
+
+@dataclass(frozen=True)
+class ModuleOptions:
+    """The exact recompute-vs-memory options of one checkpointed module (per call), for the exact MILP.
+
+    Option ``k`` discards ``ratio[k] · A`` bytes (``A`` = the trade-off's ``max_discard_bytes``) and
+    recomputes ``frac[k] · R`` ms (``R`` = its ``full_recompute_ms``); both strictly increase with ``k``
+    (dominated options are dropped). ``selection[k]`` is the op selection that realises option ``k`` exactly
+    (``None``: full checkpoint, nothing saved); :attr:`capacity` gives its saved bytes (``None`` likewise).
+    ``complete`` is True when the options are *every* Pareto-optimal save list of the module (nothing pruned),
+    so an MILP over them ranges over all plans.
+    """
+
+    ratio: tuple[float, ...]
+    frac: tuple[float, ...]
+    selection: tuple[OpSelection | None, ...]
+    complete: bool = False
+    #: 0 unless the time budget ran out while the options were built: then some option's save list is a greedy
+    #: fill, and an exact knapsack at its ratio might recompute up to this fraction of ``R`` less (per call)
+    slack_frac: float = 0.0
+
+    @property
+    def capacity(self) -> tuple[int | None, ...]:
+        """Saved bytes of each option's selection (``None`` for the full checkpoint)."""
+        return tuple(None if sel is None else sel.saved_bytes for sel in self.selection)
+
+    def level_for(self, r: float) -> int:
+        """The cheapest option discarding at least ratio ``r`` (the last one if none does)."""
+        for k, rk in enumerate(self.ratio):
+            if rk >= r - 1e-12:
+                return k
+        return len(self.ratio) - 1
+
+
+#: Free op groups above which :func:`module_options` samples knapsacks instead (the DP costs groups × front)
+DP_MAX_GROUPS = 256
+
+
+def module_options(
+    ops: Sequence[OpStat],
+    max_discard_bytes: int,
+    full_recompute_ms: float,
+    ratios: Sequence[float] = (),
+    *,
+    recompute_stop: int | None = None,
+    max_options: int | None = 16,
+    solver: str = "cbc",
+) -> ModuleOptions:
+    """Options of one module: its exact Pareto front of save lists (:func:`~sacplan.solver.front.pareto_front`), at
+    most ``max_options``.
+
+    Each front point is realised as an :class:`OpSelection` and recorded by what it realises (discard ratio,
+    recompute fraction); the full checkpoint ``(1, 1)`` is always an option. Dominated options (no larger
+    discard for no smaller cost) are dropped. Above ``max_options`` (None: keep all, and ``complete`` says
+    whether that is every Pareto-optimal save list) interior options are dropped one at a time, the one whose
+    removal costs least first (the next kept option's extra cost times the discard span it covers), vertices
+    of the front's lower convex hull last (they are what the LP relaxation leans on).
+
+    A module with more than :data:`DP_MAX_GROUPS` free op groups (a stage holding many blocks) is not given the
+    dynamic programme when ``ratios`` are passed: its options are the exact knapsacks of :func:`select_ops` at
+    those discard ratios (the trade-off's greedy vertices), and ``complete`` is False.
+    """
+    ops = tuple(ops)
+    A = int(max_discard_bytes)
+    R = float(full_recompute_ms)
+    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    complete = True
+    sels: list[OpSelection] = []
+    slacks: dict[OpSelection, float] = {}
+    saved_groups, free, _ = split_groups(ops, False, stop)
+    # The plain full checkpoint saves only what is forced (in-place writes to outside tensors) and recomputes
+    # every other op before the stop, free ones included (as apply_plan does): its cost may exceed R.
+    forced = {p for g in saved_groups if g.fixed == 1 for p in g.members}
+    q_full = selection_of(ops, forced, stop, False).recompute_ms / R if R > 0 else 1.0
+    pts: list[tuple[float, float, OpSelection | None]] = [(1.0, max(1.0, q_full), None)]
+    if A > 0 and R > 0:
+        if len(free) <= DP_MAX_GROUPS or not ratios:
+            # Every front point is priced from the DP's own sums and only the points that survive the pruning
+            # below are realised as selections (a Llama-family root's front has ~5,000 points, 16 are kept).
+            front, complete = front_of_groups(free, FRONT_CAP)
+            always = {p for g in saved_groups for p in g.members}
+            always_bytes = sum(max(0, int(ops[p].save_cost_bytes)) for p in always)
+            # recompute ms priced exactly as a realised selection is (math.fsum of the recomputed ops): fsum is
+            # exact over its inputs, so the exact partials of every op's ms less the saved groups' ms give it
+            base = _partials([op.runtime_ms for p, op in enumerate(ops) if p not in always and op.index < stop])
+            terms = [[-ops[p].runtime_ms for p in g.members if ops[p].index < stop] for g in free]
+            for b, _, mask in front:
+                d = A - (always_bytes + b)
+                if d < 0:
+                    continue
+                xs, rest = list(base), mask
+                while rest:
+                    low = rest & -rest
+                    xs.extend(terms[low.bit_length() - 1])
+                    rest ^= low
+                pts.append((min(1.0, d / A), min(1.0, math.fsum(xs) / R), _Pending(mask, bool(always) or mask != 0)))
+        else:  # a large module (a stage of many blocks): exact knapsacks at the sampled ratios only
+            complete = False
+            fill = GreedyFill(ops, saved_groups, free, stop)
+            for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
+                cap = max(0, min(A, int(round(A * (1.0 - r)))))
+                try:
+                    sel, sl = fill(cap)
+                    if sl > 0 and not limits.expired():  # fractional: the exact knapsack (past the time budget
+                        sel, sl = knapsack(ops, saved_groups, free, cap, solver, stop)  # the fill, within sl)
+                except InfeasibleBudgetError:
+                    continue
+                sels.append(sel)
+                slacks[sel] = max(slacks.get(sel, 0.0), sl)
+    for sel in sels:
+        d = A - sel.saved_bytes
+        if d >= 0:
+            pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), sel))
+    # Pareto front: by ratio descending, keep strictly cheaper options. On a tie a save list beats the plain full
+    # checkpoint: it names the free ops (the module's output op) that a full checkpoint would recompute; an
+    # empty save list is the full checkpoint itself.
+    pts.sort(key=lambda p: (-p[0], p[1], 1 if p[2] is None else (0 if p[2].saved else 2)))
+    kept: list[tuple[float, float, OpSelection | None]] = []
+    for p in pts:
+        if not kept or p[1] < kept[-1][1] - 1e-12:
+            if kept and abs(p[0] - kept[-1][0]) <= 1e-15:
+                continue
+            kept.append(p)
+    kept.reverse()
+    if max_options is not None and len(kept) > max(2, max_options):
+        complete = False
+        kept = [kept[k] for k in thin_front([(p[0], p[1]) for p in kept], max(2, max_options))]
+    if any(isinstance(p[2], _Pending) for p in kept):
+        kept = _realise(ops, kept, saved_groups, free, stop, A, R)
+    slack = max([0.0] + [slacks.get(p[2], 0.0) for p in kept if p[2] is not None])
+    return ModuleOptions(
+        ratio=tuple(p[0] for p in kept),
+        frac=tuple(p[1] for p in kept),
+        selection=tuple(p[2] for p in kept),
+        complete=complete,
+        slack_frac=min(1.0, slack / R) if R > 0 else 0.0,
+    )
+
+def _partials(xs: Sequence[float]) -> list[float]:
+    """Non-overlapping floats whose exact sum is the exact sum of ``xs`` (Shewchuk's partials, as ``math.fsum``
+    keeps them), so ``fsum(_partials(a) + b) == fsum(a + b)``."""
+    parts: list[float] = []
+    for x in xs:
+        i = 0
+        for y in parts:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                parts[i] = lo
+                i += 1
+            x = hi
+        parts[i:] = [x]
+    return parts
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A front point of :func:`module_options` not yet realised: the free groups it saves (bit mask)."""
+
+    mask: int
+    saved: bool  # it saves something (what a realised selection's ``saved`` tuple says by its truth)
+
+
+def _realise(
+    ops: Sequence[OpStat], kept: list, saved_groups: Sequence[OpGroup], free: Sequence[OpGroup], stop: int, A: int,
+    R: float,
+) -> list[tuple[float, float, OpSelection | None]]:
+    """The kept options with their selections built and priced exactly (``math.fsum`` over the recomputed ops, as
+    every selection is); an option the exact prices show dominated (equal ratio or no cheaper, at 1e-12) goes."""
+    always = {p for g in saved_groups for p in g.members}
+    out: list[tuple[float, float, OpSelection | None]] = []
+    for r, q, sel in kept:
+        if isinstance(sel, _Pending):
+            saved = set(always)
+            for i, g in enumerate(free):
+                if sel.mask >> i & 1:
+                    saved.update(g.members)
+            sel = selection_of(ops, saved, stop, False)
+            r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R)
+        out.append((r, q, sel))
+    res: list[tuple[float, float, OpSelection | None]] = []
+    for p in sorted(out, key=lambda p: (-p[0], p[1])):  # ratio descending: keep strictly cheaper ones
+        if not res or (p[1] < res[-1][1] - 1e-12 and abs(p[0] - res[-1][0]) > 1e-15):
+            res.append(p)
+    res.reverse()
+    return res
+
+
+def fractional_lines(
+    ops: Sequence[OpStat], max_discard_bytes: int, full_recompute_ms: float, *, recompute_stop: int | None = None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Lines ``q ≥ slope·r + intercept`` whose max lies below *every* achievable option of one module.
+
+    The LP relaxation of :func:`select_ops`'s knapsack (save groups fractionally, most ms per byte first) gives,
+    for each discard, a recompute time no integer selection beats; its vertices (plus the full checkpoint
+    ``(1, 1)``) are convexified into their lower hull. Units as :class:`ModuleOptions` (``r = d/A``,
+    ``q = ms/R``). Used by :func:`sacplan.solver.recompute_lower_bound`.
+    """
+    A = float(max_discard_bytes)
+    R = float(full_recompute_ms)
+    ops = tuple(ops)
+    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    always, free, never = split_groups(ops, False, stop)
+    forced = sum(g.bytes for g in always)
+    base_ms = sum(g.ms for g in never)  # always recomputed (views, or nothing to gain by saving)
+    # start: every free group saved; then give them up least valuable (ms per byte) first
+    free.sort(key=lambda g: (g.ms / g.bytes, g.bytes))
+    saved = forced + sum(g.bytes for g in free)
+    ms = base_ms
+    pts = [((A - saved) / A, ms / R)]
+    for g in free:
+        saved -= g.bytes
+        ms += g.ms
+        pts.append(((A - saved) / A, ms / R))
+    pts.append((1.0, 1.0))
+    pts = sorted(set(pts))
+    hull = [pts[i] for i in sorted(lower_hull_indices(pts))]
+    slopes, intercepts = [], []
+    for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
+        if x2 - x1 <= 1e-15:
+            continue
+        s = (y2 - y1) / (x2 - x1)
+        slopes.append(s)
+        intercepts.append(y1 - s * x1)
+    if not slopes:
+        slopes, intercepts = [0.0], [min(1.0, hull[0][1]) if hull else 0.0]
+    return tuple(slopes), tuple(intercepts)

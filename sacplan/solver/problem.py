@@ -1,0 +1,349 @@
+"""The SAC problem: a tree's memory timeline, read once, and the exact evaluation of any decision.
+
+:class:`SacProblem` turns a :class:`~sacplan.tree.ModuleTree` into arrays: the candidates
+(:mod:`sacplan.solver.candidates`), the step orders as running-sum positions, every timeline event's bytes
+with per-rank state scaling, and (exact mode) each candidate's op-level options. A decision — checkpoint
+flags ``y`` and discard ratios ``r`` per candidate slot — is evaluated exactly in bytes
+(:meth:`SacProblem.peaks`) and in model recompute ms (:meth:`SacProblem.cost`). Budget-independent: the
+MILP (:mod:`sacplan.solver.formulation`) and the incumbent search (:mod:`sacplan.solver.search`) read it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from sacplan.devices import checkpoint_state_bytes
+from sacplan.solver.backends import lp_solver
+from sacplan.solver.candidates import relaxed_candidate, select_candidates
+from sacplan.solver.ops import ModuleOptions, module_options
+from sacplan.timeline import BW, FW, RC, Timeline
+from sacplan.tradeoff import recompute_surge
+from sacplan.tree import ModuleTree
+
+
+class SacProblem:
+    """Budget-independent view of a tree for the MILP (memory model: :mod:`sacplan.timeline`; rows:
+    :mod:`sacplan.solver.formulation`).
+
+    Args:
+        tree: the collected module tree.
+        world_size: ranks to plan for (None: the tree's own ``stats.world_size``).
+        ac_units: allowed checkpoint units (None: every eligible module).
+        fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
+    """
+
+    def __init__(
+        self,
+        tree: ModuleTree,
+        world_size: int | None = None,
+        ac_units: Sequence[str] | None = None,
+        fsdp_units: Sequence[str] | None = None,
+        exact: bool = False,
+        max_options: int | None = 16,
+        solver: str = "auto",
+        relax: bool = False,
+    ) -> None:
+        stats = tree.stats
+        self.tree = tree
+        #: exact mode: candidates with ops choose among their op-level options (see :meth:`options`)
+        self.exact = bool(exact)
+        self.max_options = None if max_options is None else int(max_options)
+        self._solver = solver
+        self._options: dict[int, ModuleOptions | None] = {}
+        self._surge: dict[int, tuple[int, ...]] = {}
+        #: the step's memory timeline for ``world_size`` ranks: sacplan's one memory model (:mod:`sacplan.timeline`)
+        self.timeline = Timeline.of(stats, world_size)
+        self.world_size = self.timeline.world_size
+        #: state bytes kept per rank, relative to the collected ones
+        self.state_keep = self.timeline.state_keep
+        #: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a CPU target)
+        self.ck_overhead = float(checkpoint_state_bytes(stats.device))
+        #: candidates in pre-order (slot = index), and warnings about named ``ac_units`` that cannot be checkpointed
+        self.candidates, self.notes = select_candidates(tree, ac_units, fsdp_units, self.ck_overhead)
+        if relax:  # lower-bound mode: each module's cost is the LP relaxation of its op-level knapsack
+            self.exact = False
+            self.candidates = [relaxed_candidate(tree, c) for c in self.candidates]
+        self._orders()
+        self._events()
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _orders(self) -> None:
+        slot_by_fqn = {c.fqn: c for c in self.candidates}
+
+        def positions(entries: Sequence[tuple[str, int]]) -> tuple[np.ndarray, ...]:
+            pos, slots, amts, over, kc = [], [], [], [], [0]
+            for k, (f, c) in enumerate(entries):
+                cand = slot_by_fqn.get(f)
+                if cand is not None and c < cand.calls:
+                    pos.append(k)
+                    slots.append(cand.slot)
+                    amts.append(float(cand.act_bytes[c]))
+                    over.append(float(cand.overhead_bytes[c]) if c < len(cand.overhead_bytes) else self.ck_overhead)
+                    kc.append(kc[-1] + 1)
+                else:
+                    kc.append(kc[-1])
+            arr = lambda v, t=float: np.asarray(v, dtype=t)  # noqa: E731
+            return arr(pos, np.int64), arr(slots, np.int64), arr(amts), arr(over), arr(kc, np.int64)
+
+        tl = self.timeline
+        #: candidate entries of fw_post_order: position in the order, slot, bytes A_{i,c} and overhead o_{i,c}
+        #: (kept while checkpointed); kc_fw[k] = candidate entries among the first k
+        self.fw_pos, self.fw_slot, self.fw_amt, self.fw_over, self.kc_fw = positions(tl.fw_entries)
+        self.bw_pos, self.bw_slot, self.bw_amt, self.bw_over, self.kc_bw = positions(tl.bw_entries)
+
+    def _events(self) -> None:
+        tl = self.timeline
+        slot_by_fqn = {c.fqn: c.slot for c in self.candidates}
+        n = tl.num_events
+        self.ev_k = tl.pos
+        self.ev_base = tl.base
+        self.ev_module = list(tl.module)
+        self.ev_phase = tl.phase.copy()  # rc events where checkpointing adds nothing become bw rows
+        nb = len(tl.bw_entries)
+        active: list[list[int]] = [[] for _ in range(n)]
+        for i, p in zip(tl.active_event.tolist(), tl.active_pos.tolist()):
+            active[i].append(p)
+        # What checkpointing a slot adds at an event, as sparse (event, slot, bytes) triples: the overhead of each
+        # call inside its backward there (held until that backward ends) and, at a call's rc event, its
+        # recompute transient.
+        t_ev: list[int] = []
+        t_slot: list[int] = []
+        t_coef: list[float] = []
+        self.ev_terms: list[tuple[tuple[int, float], ...]] = []
+        #: per event: the slot whose rc event it is when that slot's options can surge (else -1), see :meth:`surge`
+        self.ev_surge = np.full(n, -1, dtype=np.int64)
+        for i in range(n):
+            ph = int(tl.phase[i])
+            terms: dict[int, float] = {}
+            if ph in (BW, RC):
+                for p in active[i]:
+                    if p < nb and self.kc_bw[p + 1] > self.kc_bw[p]:
+                        q = int(self.kc_bw[p])
+                        if self.bw_over[q] > 0:
+                            sl = int(self.bw_slot[q])
+                            terms[sl] = terms.get(sl, 0.0) + float(self.bw_over[q])
+                s = slot_by_fqn.get(tl.module[i], -1) if ph == RC else -1
+                if s >= 0 and tl.extra[i] > 0:
+                    terms[s] = terms.get(s, 0.0) + float(tl.extra[i])
+                if s >= 0 and max(self.surge(s), default=0) > 0:
+                    self.ev_surge[i] = s
+                    terms[s] = terms.get(s, 0.0)  # an rc row even where the full recomputation adds nothing
+                self.ev_phase[i] = RC if terms else BW
+            self.ev_terms.append(tuple(sorted(terms.items())))
+            for sl, cf in terms.items():
+                t_ev.append(i)
+                t_slot.append(sl)
+                t_coef.append(cf)
+        self.t_ev = np.asarray(t_ev, dtype=np.int64)
+        self.t_slot = np.asarray(t_slot, dtype=np.int64)
+        self.t_coef = np.asarray(t_coef, dtype=float)
+
+    # -- exact evaluation -------------------------------------------------------------------------------
+    @property
+    def num_candidates(self) -> int:
+        return len(self.candidates)
+
+    def options(self, slot: int) -> ModuleOptions | None:
+        """Exact op-level options of candidate ``slot`` (None when not in exact mode or it has no ops).
+
+        The module's exact Pareto front of save lists (:func:`~sacplan.solver.ops.module_options`), pruned to
+        ``max_options`` (None: all of it), memoised per class of identical candidates.
+        """
+        if not self.exact:
+            return None
+        if slot in self._options:
+            return self._options[slot]
+        c = self.candidates[slot]
+        st = self.tree.nodes[c.node].stats
+        t = st.tradeoff
+        out: ModuleOptions | None = None
+        if st.ops and t is not None and t.full_recompute_ms > 0:
+            key = ("opts", c.max_discard_bytes, c.recompute_ms, st.ops, st.recompute_stop)
+            out = self._options.get(key)  # type: ignore[call-overload]
+            if out is None:
+                out = module_options(
+                    st.ops,
+                    c.max_discard_bytes,
+                    c.recompute_ms,
+                    [p[0] for p in t.points],
+                    recompute_stop=st.recompute_stop or None,
+                    max_options=self.max_options,
+                    solver=lp_solver(self._solver),
+                )
+                self._options[key] = out  # type: ignore[index]
+        self._options[slot] = out
+        return out
+
+    def surge(self, slot: int) -> tuple[int, ...]:
+        """Per option of candidate ``slot``: bytes its recomputation peaks above a full one's, at the slot's rc
+        events (:func:`~sacplan.tradeoff.recompute_surge`; ``()`` without exact options). Memoised."""
+        if slot not in self._surge:
+            st = self.tree.nodes[self.candidates[slot].node].stats
+            o = self.options(slot) if any(op.below_peak_bytes is not None for op in st.ops) else None
+            self._surge[slot] = () if o is None else tuple(
+                0 if sel is None else recompute_surge(st.ops, sel.saved, st.recompute_stop) for sel in o.selection
+            )
+        return self._surge[slot]
+
+    def options_complete(self) -> bool:
+        """True when every candidate picks among its *whole* Pareto front of save lists (exact mode,
+        ``max_options=None``, no front thinned): the MILP then ranges over every plan."""
+        return self.exact and all(
+            c.recompute_ms <= 0.0 or ((o := self.options(c.slot)) is not None and o.complete) for c in self.candidates
+        )  # a module that costs nothing to recompute is priced exactly by any line: 0
+
+    def options_slack_ms(self) -> float:
+        """Recompute ms the options may overprice because the time budget ran out while they were built
+        (:attr:`~sacplan.solver.ops.ModuleOptions.slack_frac`, over all calls of every candidate): the MILP's
+        bound minus this also bounds the plans over exact knapsacks at the same ratios. 0.0 when none was cut
+        short."""
+        total = 0.0
+        for c in self.candidates:
+            o = self.options(c.slot)
+            if o is not None:
+                total += c.calls * c.recompute_ms * o.slack_frac
+        return float(total)
+
+    def snap(self, y: Sequence[float], r: Sequence[float]) -> np.ndarray:
+        """Ratios raised to the cheapest option discarding at least as much (exact candidates only)."""
+        r = np.asarray(r, dtype=float).copy()
+        for c in self.candidates:
+            o = self.options(c.slot)
+            if o is None:
+                continue
+            r[c.slot] = o.ratio[o.level_for(float(r[c.slot]))] if y[c.slot] > 0.5 else 0.0
+        return r
+
+    def peaks(self, y: Sequence[float], r: Sequence[float], with_extra: bool = True) -> np.ndarray:
+        """Predicted bytes ``m_e`` at every event for checkpoint flags ``y`` and discard ratios ``r`` (per slot).
+
+        ``with_extra=False`` leaves out what checkpointing adds (recompute transients, per-call overhead):
+        a lower bound for screening."""
+        y = np.asarray(y, dtype=float).reshape(-1)
+        yb = (y > 0.5).astype(float)
+        r = np.asarray(r, dtype=float).reshape(-1) * yb
+        if self.num_candidates == 0:
+            return self.ev_base.copy()
+        k = 1.0 if with_extra else 0.0
+        tl = self.timeline
+        fw = np.zeros(len(tl.fw_entries))
+        fw[self.fw_pos] = self.fw_amt * r[self.fw_slot] - k * self.fw_over * yb[self.fw_slot]
+        bw = np.zeros(len(tl.bw_entries))
+        bw[self.bw_pos] = self.bw_amt * r[self.bw_slot] - k * self.bw_over * yb[self.bw_slot]
+        added = None
+        if with_extra and len(self.t_ev):
+            added = np.bincount(self.t_ev, weights=self.t_coef * yb[self.t_slot], minlength=tl.num_events)
+        m = tl.peaks(fw, bw, added)
+        if with_extra:
+            for i in np.nonzero(self.ev_surge >= 0)[0]:
+                s = int(self.ev_surge[i])
+                if yb[s]:
+                    o = self.options(s)
+                    assert o is not None
+                    m[i] += self.surge(s)[o.level_for(float(r[s]))]
+        return m
+
+    def peak(self, y: Sequence[float], r: Sequence[float]) -> float:
+        return float(np.max(self.peaks(y, r)))
+
+    def baseline_peak(self) -> float:
+        """Peak without checkpointing (per rank, at this world size), bytes (float)."""
+        return float(np.max(self.ev_base))
+
+    def cost(self, y: Sequence[float], r: Sequence[float]) -> float:
+        """Model recompute ms of a decision: the trade-off lines, or (exact mode) the cheapest option
+        discarding at least ``r``."""
+        total = 0.0
+        for c in self.candidates:
+            if y[c.slot] <= 0.5:
+                continue
+            o = self.options(c.slot)
+            if o is None:
+                total += c.cost(float(r[c.slot]))
+            else:
+                total += c.calls * c.recompute_ms * o.frac[o.level_for(float(r[c.slot]))]
+        return float(total)
+
+    def classes(self) -> list[tuple[tuple, list[int]]]:
+        """Candidates with identical numbers (calls, bytes per call, recompute ms, trade-off lines), by slot."""
+        groups: dict[tuple, list[int]] = {}
+        for c in self.candidates:
+            key = (c.calls, c.act_bytes, c.max_discard_bytes, c.recompute_ms, c.slopes, c.intercepts, c.overhead_bytes)
+            groups.setdefault(key, []).append(c.slot)
+        return sorted(groups.items(), key=lambda kv: kv[1][0])
+
+    def nesting_ok(self, y: Sequence[float]) -> bool:
+        for c in self.candidates:
+            if y[c.slot] > 0.5:
+                p = c.parent_slot
+                while p >= 0:
+                    if y[p] > 0.5:
+                        return False
+                    p = self.candidates[p].parent_slot
+        return True
+
+    def lower_bound_peak(self) -> float:
+        """A quick lower bound of the smallest achievable peak: every candidate fully discarded at once
+        (nesting ignored) and no recompute extras."""
+        ones = np.ones(self.num_candidates)
+        return float(np.max(self.peaks(ones, ones, with_extra=False)))
+
+    def sequential(self, members: Sequence[int]) -> list[int] | None:
+        """Identical candidates in forward order when each runs once and their backwards run in reverse
+        order (sequential blocks); else None.
+
+        For such a class, giving the earlier of two *checkpointed* members the larger discard never raises
+        any event: every running sum ``F`` (forwards finished) and ``D - B`` (backwards not yet started)
+        covers a prefix of the forward order, so swapping two members' discards into decreasing order only
+        raises the sums between them, and the recompute extras stay (both remain checkpointed). So the
+        MILP's ordering rows (:mod:`sacplan.solver.formulation`) cut off no optimum, only symmetric copies of it.
+        """
+        if any(self.candidates[s].calls != 1 or max(self.surge(s), default=0) > 0 for s in members):
+            return None  # a surge sits at the member's own rc event, not in a running sum: the swap may raise it
+        fw_pos = {int(sl): p for p, sl in enumerate(self.fw_slot)}
+        bw_pos = {int(sl): p for p, sl in enumerate(self.bw_slot)}
+        if any(s not in fw_pos or s not in bw_pos for s in members):
+            return None
+        seq = sorted(members, key=lambda s: fw_pos[s])
+        if any(bw_pos[a] <= bw_pos[b] for a, b in zip(seq, seq[1:])):
+            return None
+        return seq
+
+    def linear_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes),
+        less the option-dependent :meth:`surge` at rc events (none where ``ev_surge`` is -1 everywhere).
+
+        ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
+        checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
+        recompute transient at its rc events). Memoised."""
+        if getattr(self, "_lin", None) is None:
+            n, nc = len(self.ev_base), self.num_candidates
+            C = np.zeros((n, nc))
+            Y = np.zeros((n, nc))
+            fw_c = np.zeros((len(self.fw_slot) + 1, nc))  # per kc: discard coefficients of the first kc entries
+            fw_y = np.zeros((len(self.fw_slot) + 1, nc))
+            for p, (sl, a) in enumerate(zip(self.fw_slot, self.fw_amt)):
+                fw_c[p + 1], fw_y[p + 1] = fw_c[p], fw_y[p]
+                fw_c[p + 1, sl] += a
+                fw_y[p + 1, sl] += self.fw_over[p]
+            nb = len(self.bw_slot)
+            bw_c = np.zeros((nb + 1, nc))  # per kc: coefficients of entries kc.. (not yet re-materialised)
+            bw_y = np.zeros((nb + 1, nc))
+            for p in range(nb - 1, -1, -1):
+                bw_c[p], bw_y[p] = bw_c[p + 1], bw_y[p + 1]
+                bw_c[p, self.bw_slot[p]] += self.bw_amt[p]
+                bw_y[p, self.bw_slot[p]] += self.bw_over[p]
+            for e in range(n):
+                ph = self.ev_phase[e]
+                if ph == FW:
+                    kc = int(self.kc_fw[self.ev_k[e]])
+                    C[e], Y[e] = fw_c[kc], fw_y[kc]
+                elif ph in (BW, RC):
+                    kc = int(self.kc_bw[self.ev_k[e]])
+                    C[e], Y[e] = bw_c[kc], bw_y[kc]
+            if len(self.t_ev):
+                np.add.at(Y, (self.t_ev, self.t_slot), self.t_coef)
+            self._lin = (C, Y)
+        return self._lin

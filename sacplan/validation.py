@@ -1,0 +1,389 @@
+"""Prove a plan on a real training step: measured vs predicted peak memory, recompute and gradients.
+
+``validate`` builds the model twice from the same seed, runs real training steps without and with the
+plan, and reports side by side:
+
+* peak memory — on CUDA ``torch.cuda.max_memory_allocated`` (after ``reset_peak_memory_stats``); on CPU the
+  allocator's own memory events from ``torch.profiler`` (kineto ``[memory]`` records, every allocation and
+  free in order) added to the bytes live when the step starts, cross-checked with sacplan's tracker run on
+  the real tensors;
+* recomputed FLOPs — ``FlopCounterMode`` on a step with the plan minus one without, against the plan's
+  prediction on this host's stats;
+* step time — CUDA events on CUDA (wall time on CPU, reported but not compared with a GPU estimate);
+* gradients — the first step's gradients with and without the plan (bitwise, and the largest difference).
+
+Predictions are re-made for *this* host: the model is collected on fake tensors for the host's spec
+(exact sizes and the host's attention kernel on CPU; the present GPU's spec on CUDA), and the plan's op
+choices are evaluated on those stats with :func:`sacplan.evaluate.predict`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from sacplan.apply import apply_plan, remove_plan
+from sacplan.collector import collect, default_loss, default_optimizer
+from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
+from sacplan.collector.hf import training_without_cache
+from sacplan.collector.runtime import flop_mapping
+from sacplan.collector.workspace import profiled_cpu_peak
+from sacplan.devices import CPU, DeviceSpec
+from sacplan.errors import ConfigError, ValidationError
+from sacplan.evaluate import Choice, predict
+from sacplan.stats import Phase
+from sacplan.tree import ModuleTree
+from sacplan.units import fmt_bytes
+
+__all__ = [
+    "Measurement",
+    "ValidationReport",
+    "validate",
+    "plan_choices",
+    "measure_step",
+    "live_bytes",
+    "state_tensors",
+    "tracker_step_peak",
+]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One real training step.
+
+    Attributes:
+        peak_bytes: peak bytes during the step (see ``method``).
+        tracker_peak_bytes: sacplan's tracker on the real tensors (CPU cross-check; ``None`` on CUDA).
+        step_ms: median wall (CPU) or CUDA-event (GPU) time of the timed steps after warm-up, ms (without
+            the profiler that measures the peak).
+        flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas).
+        method: how ``peak_bytes`` was measured.
+    """
+
+    peak_bytes: int
+    tracker_peak_bytes: int | None
+    step_ms: float
+    flops: int
+    method: str
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """Side-by-side numbers of :func:`validate` (bytes, ms, FLOPs)."""
+
+    host: str
+    method: str
+    baseline: Measurement
+    planned: Measurement
+    predicted_baseline_peak_bytes: int
+    predicted_peak_bytes: int
+    predicted_recompute_flops: int
+    predicted_recompute_ms: float
+    plan_predicted_peak_bytes: int | None
+    grads_bitwise_equal: bool
+    max_grad_abs_diff: float
+    grads_match: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    plan_device_name: str = ""
+    timed_steps: int = 1
+
+    @property
+    def measured_recompute_flops(self) -> int:
+        return self.planned.flops - self.baseline.flops
+
+    @property
+    def peak_error(self) -> float:
+        """(measured − predicted) / measured for the planned step."""
+        return (self.planned.peak_bytes - self.predicted_peak_bytes) / max(1, self.planned.peak_bytes)
+
+    @property
+    def baseline_peak_error(self) -> float:
+        return (self.baseline.peak_bytes - self.predicted_baseline_peak_bytes) / max(1, self.baseline.peak_bytes)
+
+    def summary(self) -> str:
+        timed = f" (median of {self.timed_steps} after warm-up)" if self.timed_steps > 1 else ""
+        rows = [
+            ("", f"predicted for this host ({self.host})", "measured", "error"),
+            ("peak, no plan", fmt_bytes(self.predicted_baseline_peak_bytes), fmt_bytes(self.baseline.peak_bytes), f"{self.baseline_peak_error:+.2%}"),
+            ("peak, with plan", fmt_bytes(self.predicted_peak_bytes), fmt_bytes(self.planned.peak_bytes), f"{self.peak_error:+.2%}"),
+            ("recomputed GFLOP", f"{self.predicted_recompute_flops / 1e9:.4f}", f"{self.measured_recompute_flops / 1e9:.4f}",
+             "exact" if self.predicted_recompute_flops == self.measured_recompute_flops else f"{self.measured_recompute_flops - self.predicted_recompute_flops:+d}"),
+            (f"step ms, no plan{timed}", "", f"{self.baseline.step_ms:.2f}", ""),
+            (f"step ms, with plan{timed}", "", f"{self.planned.step_ms:.2f}", ""),
+        ]
+        w = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"validation on {self.host} ({self.method})"]
+        lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
+        lines.append(
+            "gradients: " + ("bitwise equal" if self.grads_bitwise_equal else f"max |diff| {self.max_grad_abs_diff:.3g}")
+            + ("" if self.grads_match else "  (MISMATCH)")
+        )
+        if self.baseline.tracker_peak_bytes is not None:
+            lines.append(
+                f"tracker on real tensors: no plan {fmt_bytes(self.baseline.tracker_peak_bytes)}, "
+                f"with plan {fmt_bytes(self.planned.tracker_peak_bytes or 0)}"
+            )
+        if self.plan_predicted_peak_bytes is not None:
+            lines.append(
+                f"the plan's own prediction, for its target {self.plan_device_name or '(unknown)'}: peak "
+                f"{fmt_bytes(self.plan_predicted_peak_bytes)} (re-predicted above for this host, whose sizes and "
+                "kernels differ, so it can be measured here)"
+            )
+        lines += list(self.notes)
+        return "\n".join(lines)
+
+
+def plan_choices(plan: Any) -> dict[str, Choice]:
+    """The plan's decisions as :func:`sacplan.evaluate.predict` choices."""
+    from sacplan.opnames import saved_op_keys
+
+    out: dict[str, Choice] = {}
+    for d in plan.decisions:
+        out[d.fqn] = None if d.saved_ops is None else saved_op_keys(d.saved_ops)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def live_bytes(objs: Iterable[Any]) -> int:
+    """Bytes of the distinct non-empty storages behind the tensors in ``objs`` (non-tensors are skipped)."""
+    seen: set[int] = set()
+    total = 0
+    for t in objs:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen and st.nbytes() > 0:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> list[torch.Tensor]:
+    """The tensors live across a step: parameters, buffers, gradients, optimizer state and the inputs."""
+    ts: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
+    ts += [p.grad for p in model.parameters() if p.grad is not None]
+    if opt is not None:
+        for s in opt.state.values():
+            ts += [v for v in s.values() if isinstance(v, torch.Tensor)]
+    ts += [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    return ts
+
+
+def _cpu_profiled_peak(fn: Callable[[], None], live_at_start: int) -> int:
+    """Peak bytes of ``fn()`` on CPU: bytes live at its start plus the allocator events' running peak."""
+    return live_at_start + profiled_cpu_peak(fn)
+
+
+def measure_step(
+    model: nn.Module,
+    args: Inputs,
+    step: Callable[[], None],
+    opt: torch.optim.Optimizer | None,
+    device: torch.device,
+    *,
+    track: bool = True,
+) -> tuple[int, int | None, float]:
+    """Peak bytes (and the tracker's peak on CPU) and time of one call of ``step``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated()), None, float(start.elapsed_time(end))
+    live = live_bytes(state_tensors(model, opt, args))
+    t0 = time.perf_counter()
+    peak = _cpu_profiled_peak(step, live)
+    ms = (time.perf_counter() - t0) * 1e3
+    tracker = None
+    if track:
+        tracker = tracker_step_peak(model, args, step, opt)
+    return peak, tracker, ms
+
+
+def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], opt: torch.optim.Optimizer | None) -> int:
+    """Peak bytes of one call of ``step`` by sacplan's own tracker on the real (CPU) tensors.
+
+    An independent cross-check of the profiler's peak: the state (parameters, buffers, gradients,
+    optimizer state, inputs) is registered first, so the peak includes it.
+    """
+    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
+    from sacplan.collector.runtime import RuntimeModel
+    from sacplan.collector.tracker import StepRecorder
+
+    rec = StepRecorder(model, CPU, RuntimeModel(CPU))
+    handles = [p.register_post_accumulate_grad_hook(lambda p: rec.relabel(p.grad, GRAD)) for p in model.parameters() if p.requires_grad]
+    try:
+        with rec:
+            rec.register(list(model.parameters()), PARAM)
+            rec.register(list(model.buffers()), BUFFER)
+            rec.register([p.grad for p in model.parameters() if p.grad is not None], GRAD)
+            if opt is not None:
+                for s in opt.state.values():
+                    rec.register([v for v in s.values() if isinstance(v, torch.Tensor)], OPT)
+            rec.register(args, INPUT)
+            rec.close_segment()
+            rec.recording = True
+            step()
+            rec.close_segment(Phase.OTHER)
+    finally:
+        for h in handles:
+            h.remove()
+    return rec.step_peak
+
+
+def _flops(model: nn.Module, args: Inputs, loss_fn: Callable[[Any, Inputs], torch.Tensor]) -> int:
+    with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
+        loss_fn(call_model(model, args), args).backward()
+    model.zero_grad(set_to_none=True)
+    return int(fc.get_total_flops())
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of one call of ``step`` (CUDA-synchronised on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def validate(
+    model_fn: Callable[[], nn.Module],
+    inputs_fn: Callable[[], Any],
+    plan: Any,
+    *,
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None | bool = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    grad_rtol: float = 1e-5,
+    grad_atol: float = 1e-6,
+    timed_steps: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> ValidationReport:
+    """Run real steps without and with ``plan`` and compare with the predictions (see module docstring).
+
+    Args:
+        model_fn: builds the model (called twice, after ``torch.manual_seed(seed)``, so weights match).
+        inputs_fn: builds the forward's positional arguments (a tuple or one tensor) or keyword arguments (a
+            dict) on CPU; moved to ``device``.
+        plan: a :class:`~sacplan.plan.Plan` (or anything with ``decisions`` / ``fingerprint``).
+        optimizer: factory ``params -> Optimizer`` (default AdamW foreach); ``False`` for none.
+        loss_fn: ``(output, inputs) -> scalar`` or ``(output) -> scalar`` (default: mean of floating outputs).
+        device: ``"cuda"`` or ``"cpu"`` (default: CUDA when available).
+        dtype: cast the model to this dtype.
+        grad_rtol, grad_atol: tolerance when gradients are not bitwise equal (nondeterministic kernels).
+        timed_steps: steps timed (without the profiler) after the warm-up and measured steps; their median
+            is the reported step time.
+        progress: called with a short line before each stage (for CLIs: real steps can take minutes).
+
+    Raises:
+        ConfigError: ``device="cuda"`` without CUDA.
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"validate supports cpu and cuda devices, not {dev.type!r}")
+    loss = as_loss(loss_fn) if loss_fn is not None else default_loss
+    opt_factory = None if optimizer is False else (optimizer or default_optimizer)
+    spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
+
+    torch.manual_seed(seed)
+    raw_inputs = as_inputs(inputs_fn())
+
+    # Prediction for this host.
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        m = model_fn()
+        return m.to(dtype) if dtype is not None else m
+
+    say = progress or (lambda _s: None)
+    say(f"predicting for this host ({dev.type}): one fake step")
+    stats = collect(build, raw_inputs, device=spec, optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+    tree = ModuleTree(stats)
+    choices = plan_choices(plan)
+    missing = [f for f in choices if f not in tree]
+    if missing:
+        from sacplan.errors import PlanMismatchError
+
+        raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
+    pred = predict(tree, choices)
+
+    def run(with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
+        say(f"real steps {'with' if with_plan else 'without'} the plan: warm-up, measured peak, {timed_steps} timed")
+        model = build().to(dev)
+        model.train()
+        if with_plan:
+            apply_plan(model, plan)  # turns a Hugging Face training cache off
+            return steps(model, True)
+        with training_without_cache(model):  # as collect records the step and the planned step runs
+            return steps(model, False)
+
+    def steps(model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
+        args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, raw_inputs)
+        opt = opt_factory([p for p in model.parameters() if p.requires_grad]) if opt_factory else None
+        # Step 1: gradients to compare, and optimizer state.
+        torch.manual_seed(seed + 1)
+        loss(call_model(model, args), args).backward()
+        grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+        def step() -> None:
+            torch.manual_seed(seed + 2)
+            l = loss(call_model(model, args), args)
+            l.backward()
+            del l
+            if opt is not None:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+
+        peak, tracker, ms = measure_step(model, args, step, opt, dev)
+        times = [_timed(step, dev) for _ in range(max(0, timed_steps))]
+        if times:
+            ms = statistics.median(times)
+        torch.manual_seed(seed + 3)
+        flops = _flops(model, args, loss)
+        if with_plan:
+            remove_plan(model)
+        method = "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "torch.profiler CPU allocator events + live bytes at step start"
+        return Measurement(peak, tracker, ms, flops, method), grads
+
+    base, g0 = run(False)
+    planned, g1 = run(True)
+    bitwise = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(g0, g1))
+    diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(g0, g1) if a is not None and b is not None and a.numel()]
+    close = all(
+        (a is None and b is None) or (a is not None and b is not None and torch.allclose(a.float(), b.float(), rtol=grad_rtol, atol=grad_atol))
+        for a, b in zip(g0, g1)
+    )
+    return ValidationReport(
+        host=str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        method=base.method,
+        baseline=base,
+        planned=planned,
+        predicted_baseline_peak_bytes=pred.baseline_peak_bytes,
+        predicted_peak_bytes=pred.peak_bytes,
+        predicted_recompute_flops=pred.recompute_flops,
+        predicted_recompute_ms=pred.recompute_ms,
+        plan_predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
+        grads_bitwise_equal=bitwise,
+        max_grad_abs_diff=max(diffs, default=0.0),
+        grads_match=close,
+        plan_device_name=str(getattr(plan, "device_name", "") or ""),
+        timed_steps=max(1, timed_steps),
+    )

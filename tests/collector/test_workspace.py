@@ -1,0 +1,61 @@
+"""Kernel scratch (workspace) bytes per op: CUDA rules derived by hand, CPU figures measured on this host."""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from sacplan.collector.workspace import kernel_scratch_bytes, workspace_bytes
+from sacplan.devices import CPU, get_device
+
+aten = torch.ops.aten
+H100_EXACT = get_device("h100").replace(alloc_round_bytes=1)
+H100 = get_device("h100")
+
+
+def _nc(*shape: int) -> torch.Tensor:
+    """A non-contiguous tensor of ``shape`` (a transposed view of a contiguous one)."""
+    return torch.empty(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+
+
+def test_layer_norm_copies_a_non_contiguous_input() -> None:
+    x, w, b = _nc(8, 17, 64), torch.empty(64), torch.empty(64)
+    assert not x.is_contiguous()
+    args = (x, [64], w, b, 1e-5)
+    assert kernel_scratch_bytes(H100_EXACT, aten.native_layer_norm.default, args) == 8 * 17 * 64 * 4
+    # The CUDA allocator rounds the copy to 512 B blocks: 34,816 B is already a multiple.
+    assert kernel_scratch_bytes(H100, aten.native_layer_norm.default, args) == 34_816
+    contiguous = (x.contiguous(), [64], w, b, 1e-5)
+    assert kernel_scratch_bytes(H100_EXACT, aten.native_layer_norm.default, contiguous) == 0
+
+
+def test_layer_norm_backward_copies_grad_and_input() -> None:
+    g, x = _nc(8, 17, 64), _nc(8, 17, 64)
+    mean, rstd = torch.empty(8, 17, 1), torch.empty(8, 17, 1)
+    args = (g, x, [64], mean, rstd, torch.empty(64), torch.empty(64), [True, True, True])
+    assert kernel_scratch_bytes(H100_EXACT, aten.native_layer_norm_backward.default, args) == 2 * 8 * 17 * 64 * 4
+    args_one = (g.contiguous(),) + args[1:]
+    assert kernel_scratch_bytes(H100_EXACT, aten.native_layer_norm_backward.default, args_one) == 8 * 17 * 64 * 4
+
+
+def test_safe_softmax_builds_two_bool_masks() -> None:
+    """softmax, then eq(-inf) (one bool per element) and all(dim) (one bool per row)."""
+    x = torch.empty(4, 4, 64, 64)
+    assert kernel_scratch_bytes(H100_EXACT, aten._safe_softmax.default, (x, -1)) == 4 * 4 * 64 * 64 + 4 * 4 * 64
+    # rounded: 65,536 B and 1,024 B, both multiples of 512
+    assert kernel_scratch_bytes(H100, aten._safe_softmax.default, (x, -1)) == 65_536 + 1_024
+    assert kernel_scratch_bytes(H100_EXACT, aten._safe_softmax.default, (x, 2)) == 4 * 4 * 64 * 64 + 4 * 4 * 64
+
+
+def test_other_ops_have_no_scratch() -> None:
+    x = torch.empty(8, 64)
+    assert kernel_scratch_bytes(H100_EXACT, aten.mm.default, (x, x.t())) == 0
+    assert workspace_bytes(H100_EXACT, aten.relu.default, (x,), {}, x) == 0
+
+
+def test_cpu_layer_norm_workspace_is_measured() -> None:
+    """On the host the scratch is measured on real tensors of the same shapes and strides (from fakes too)."""
+    with FakeTensorMode():
+        x, w, b = _nc(8, 17, 64), torch.empty(64), torch.empty(64)
+        out = torch.ops.aten.native_layer_norm.default(x, [64], w, b, 1e-5)
+    assert workspace_bytes(CPU, aten.native_layer_norm.default, (x, [64], w, b, 1e-5), {}, out) == 34_816
