@@ -23,7 +23,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 GiB = 2**30

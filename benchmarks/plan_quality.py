@@ -211,7 +211,7 @@ def fake_section() -> None:
         if ours is not None:
             pts.append(("sacplan at equal peak", ours.predicted_peak_bytes / 2**30, ours.recompute_ms))
             verdicts.append(_verdict(name, ours.predicted_peak_bytes, ours.recompute_ms, pr.peak_bytes, pr.recompute_ms, "ms"))
-    print(f"\n=== llama-7b shape, 32 layers, seq 4096, bf16, H100 (fake mode, predicted; forward+backward, no optimizer) ===")
+    print("\n=== llama-7b shape, 32 layers, seq 4096, bf16, H100 (fake mode, predicted; forward+backward, no optimizer) ===")
     hdr = f"{'alternative':<36} {'peak GiB':>9} {'rc ms':>9} {'rc TFLOP':>9} | {'sacplan peak GiB':>16} {'rc ms':>9}"
     print(hdr)
     print("-" * len(hdr))

@@ -20,7 +20,6 @@ from sacplan.errors import InfeasibleBudgetError
 from sacplan.models import get_model
 from sacplan.solver import solve
 from sacplan.tree import ModuleTree
-from sacplan.units import GiB
 from sacplan.validation import validate
 
 

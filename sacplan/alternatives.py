@@ -198,7 +198,6 @@ def reference_milp_plan(
     info = {"decisions": dict(decisions), "recompute_ms": rec_ms, "peak": peak, "solve_s": time.perf_counter() - t0}
     if peak == -1 and not decisions:
         return None, info
-    out: list[ModuleDecision] = []
     choices: dict[str, Choice] = {}
     for tfqn, ratio in decisions.items():
         fqn = ModuleTree.torch_fqn_to_sacplan(tfqn)

@@ -189,7 +189,6 @@ def _sweep(
     tree: ModuleTree, budgets: Sequence[int | float | str] | None, points: int, world_size: int | None,
     solver: str, time_limit_s: float | None, ac_units: list[str] | None, fsdp_units: list[str] | None,
 ) -> SweepResult:
-    import warnings
 
     from sacplan.errors import ConfigError
     from sacplan.solver import TimeLimitWarning, baseline_peak, min_feasible_budget, solve

@@ -125,7 +125,7 @@ def plot_tradeoff(module_stats: Any, *, path: Any = None) -> Any:
     for i, (s, b) in enumerate(zip(t.slopes, t.intercepts)):
         ax.plot([r * A for r in grid], [(s * r + b) * R for r in grid], color="0.6", lw=0.7, ls=":",
                 label="upper-bound lines" if i == 0 else None)
-    env = [max(s * r + b for s, b in zip(t.slopes, t.intercepts)) * R for r in grid]
+    env = [t.recompute_fraction(r) * R for r in grid]
     ax.plot([r * A for r in grid], env, color="tab:red", lw=1.5, label="convex upper bound (MILP)")
     lo = min(min(ys), 0.0)
     hi = max(max(ys), max(env)) if env else max(ys)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
 from sacplan.devices import CPU, DeviceSpec
-from sacplan.errors import ConfigError, ValidationError
+from sacplan.errors import ConfigError
 from sacplan.evaluate import Choice, predict
 from sacplan.stats import Phase
 from sacplan.tree import ModuleTree

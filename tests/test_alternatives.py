@@ -27,7 +27,7 @@ from sacplan.devices import CPU
 from sacplan.models import get_model
 from sacplan.models.llama import Llama
 from sacplan.evaluate import predict
-from sacplan.solver import recompute_lower_bound, solve
+from sacplan.solver import solve
 from sacplan.validation import plan_choices
 from sacplan.tree import ModuleTree
 

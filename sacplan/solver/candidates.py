@@ -45,12 +45,15 @@ class Candidate:
     #: smallest discard ratio at which no call keeps more than it frees (``r >= min_ratio`` when checkpointed)
     min_ratio: float = 0.0
 
+    def fraction(self, r: float, y: float = 1.0) -> float:
+        """Recompute fraction of one call by the lines: ``max(0, max_s(slope_s·r + intercept_s·y))``."""
+        return max([0.0] + [s * r + b * y for s, b in zip(self.slopes, self.intercepts)])
+
     def cost(self, r: float, y: float = 1.0) -> float:
-        """MILP recompute ms over all calls: ``calls · R · max(0, max_s(slope_s·r + intercept_s·y))``."""
+        """MILP recompute ms over all calls: ``calls · R ·`` :meth:`fraction` (0 when not checkpointed)."""
         if y <= 0:
             return 0.0
-        q = max([0.0] + [s * r + b * y for s, b in zip(self.slopes, self.intercepts)])
-        return self.calls * self.recompute_ms * q
+        return self.calls * self.recompute_ms * self.fraction(r, y)
 
 
 def select_candidates(

@@ -44,7 +44,7 @@ def prove_by_lp_branching(
     while stack:
         lb, ub = stack.pop()
         if nodes == 0 and root_bound is not None:
-            obj, x = root_bound, None
+            obj = root_bound
             if best - obj <= tol:
                 closed.append(obj)
                 nodes += 1

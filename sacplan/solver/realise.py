@@ -15,7 +15,6 @@ import numpy as np
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.plan import ModuleDecision
 from sacplan.solver.backends import lp_solver
-from sacplan.solver.candidates import Candidate
 from sacplan.solver.ops import max_saved_bytes_for, select_ops
 from sacplan.solver.problem import SacProblem
 
@@ -105,13 +104,10 @@ def realise(
                     discard_ratio=float(r_real[s]),
                     discard_bytes=discard,
                     recompute_ms=c.cost(float(r_real[s])),
-                    recompute_flops=int(round(c.calls * t.full_recompute_flops * _q(c, float(r_real[s])))),
+                    recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real[s])))),
                     saved_ops=None,
                     calls=c.calls,
                 )
             )
     return decisions, y, r_real
 
-
-def _q(c: Candidate, r: float) -> float:
-    return max([0.0] + [s * r + b for s, b in zip(c.slopes, c.intercepts)])

@@ -40,7 +40,6 @@ def llama_spec(n_blocks: int, *, hidden: int = 4096, seq: int = 4096, ffn: int =
     T = batch * seq * hidden * 2
     Tf = batch * seq * ffn * 2
     lse = batch * 32 * seq * 4
-    p_attn = 4 * hidden * hidden * 2 // world_size
     p_lin = hidden * hidden * 2 // world_size
     p_ffn = hidden * ffn * 2 // world_size
     p_norm = hidden * 2 // world_size

@@ -237,7 +237,6 @@ def build_stats(
 
     # backward: module calls in reverse order of their forward end, parents before their children
     bw_counter = 0
-    done_children: dict[tuple[int, int], None] = {}
 
     # rebuild the call tree from the trace (post-order) to walk it in reverse pre-order
     # trace is in fw post-order; a parent's record follows all its children's records

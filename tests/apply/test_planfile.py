@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sacplan.errors import PlanError, PlanMismatchError
-from sacplan.plan import PLAN_FILE_VERSION, Plan, load_plan
+from sacplan.plan import PLAN_FILE_VERSION, load_plan
 from sacplan.solver import solve
 
 

@@ -64,7 +64,6 @@ def test_cnn(cnn_setup):
 def test_plan_for_gpu_is_repredicted_on_host(llama_setup):
     """A plan made for an H100 is re-evaluated on this host's stats before comparing."""
     from sacplan.collector import collect
-    from sacplan.models import get_model
     from sacplan.tree import ModuleTree
 
     model_fn, inputs_fn, loss_fn, _ = llama_setup

@@ -13,7 +13,6 @@ from torch import nn
 from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.errors import CollectionError, ConfigError, UnknownDeviceError, UnsupportedModelError
-from sacplan.models import get_model
 from sacplan.models.llama import LLAMA_PRESETS, Llama, example_tokens, next_token_loss
 
 PER_CALL = ("act_bytes", "act_grad_bytes", "fw_transient_bytes", "fw_ms", "bw_ms", "fw_flops", "bw_flops", "snapshots")
