@@ -114,7 +114,8 @@ class Timeline:
                 pos[i] = min(max(int(e.fw_done), 0), nf)
             elif ph in (BW, RC):
                 pos[i] = min(max(int(e.bw_started), 0), nb)
-                extra[i] = float(e.extra_bytes) if ph == RC else 0.0
+                if ph == RC:
+                    extra[i] = float(e.extra_bytes)
         pairs = [(i, p) for i, act in enumerate(active) for p in act if p < nb]
         return cls(
             world_size=ws,

@@ -28,7 +28,6 @@ import math
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-
 from sacplan.opgroups import op_groups
 from sacplan.stats import OpStat, TradeOff
 

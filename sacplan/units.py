@@ -37,6 +37,7 @@ _UNITS = {
 #: 1 MiB, and none is over 1 PiB).
 PLAIN_NUMBER_GIB_LIMIT = MiB
 
+
 class Bytes(int):
     """An ``int`` that is a number of bytes whatever its size.
 

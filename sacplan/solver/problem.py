@@ -56,8 +56,6 @@ class SacProblem:
         #: the step's memory timeline for ``world_size`` ranks: sacplan's one memory model (:mod:`sacplan.timeline`)
         self.timeline = Timeline.of(stats, world_size)
         self.world_size = self.timeline.world_size
-        #: state bytes kept per rank, relative to the collected ones
-        self.state_keep = self.timeline.state_keep
         #: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a CPU target)
         self.ck_overhead = float(checkpoint_state_bytes(stats.device))
         #: candidates in pre-order (slot = index), and warnings about named ``ac_units`` that cannot be checkpointed
@@ -101,7 +99,6 @@ class SacProblem:
         self.ev_base = tl.base
         self.ev_module = list(tl.module)
         self.ev_phase = tl.phase.copy()  # rc events where checkpointing adds nothing become bw rows
-        nb = len(tl.bw_entries)
         active: list[list[int]] = [[] for _ in range(n)]
         for i, p in zip(tl.active_event.tolist(), tl.active_pos.tolist()):
             active[i].append(p)
@@ -119,7 +116,7 @@ class SacProblem:
             terms: dict[int, float] = {}
             if ph in (BW, RC):
                 for p in active[i]:
-                    if p < nb and self.kc_bw[p + 1] > self.kc_bw[p]:
+                    if self.kc_bw[p + 1] > self.kc_bw[p]:  # a candidate's call (the timeline keeps p in range)
                         q = int(self.kc_bw[p])
                         if self.bw_over[q] > 0:
                             sl = int(self.bw_slot[q])

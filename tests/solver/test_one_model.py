@@ -36,16 +36,6 @@ def _choice(P: SacProblem, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
     return y, r
 
 
-def _worst_row(model, x) -> float:
-    """Largest violation (GiB) of a row or column bound at columns ``x`` (<= 0: all hold)."""
-    worst = max((max(lb - v, v - ub) for v, lb, ub in zip(x, model.col_lb, model.col_ub)), default=0.0)
-    for i in range(model.num_rows):
-        a, b = model.row_start[i], model.row_start[i + 1]
-        act = sum(v * x[j] for j, v in zip(model.row_index[a:b], model.row_value[a:b]))
-        worst = max(worst, model.row_lb[i] - act, act - model.row_ub[i])
-    return worst
-
-
 @given(seed=st.integers(0, 2**31), world_size=st.sampled_from([None, 1, 4]))
 @settings(max_examples=60, deadline=None)
 def test_solver_evaluator_and_rows_agree(seed: int, world_size: int | None) -> None:
@@ -61,8 +51,8 @@ def test_solver_evaluator_and_rows_agree(seed: int, world_size: int | None) -> N
     peak = float(peaks.max())
     model, idx, trivially_infeasible = build_budget_model(P, peak)
     assert not trivially_infeasible
-    assert _worst_row(model, columns_for(P, model, idx, y, r)) <= 1e-9
+    assert model.max_violation(columns_for(P, model, idx, y, r)) <= 1e-9
     if peak > P.baseline_peak() - 1 or peak <= 1:
         return  # nothing checkpointing can move below it: the row may be pruned as unchangeable
     model, idx, trivially_infeasible = build_budget_model(P, peak - 1.0)
-    assert trivially_infeasible or _worst_row(model, columns_for(P, model, idx, y, r)) > 0.5 / GiB
+    assert trivially_infeasible or model.max_violation(columns_for(P, model, idx, y, r)) > 0.5 / GiB
