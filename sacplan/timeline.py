@@ -135,18 +135,34 @@ class Timeline:
     def num_events(self) -> int:
         return len(self.phase)
 
+    def running(self, fw_freed: np.ndarray, bw_freed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The running sums ``(F, G)`` of what calls free (module docstring): ``F[k]`` = bytes the first ``k``
+        calls of ``fw_post_order`` freed at their forwards' ends, ``G[k]`` = bytes the calls ``k..`` of
+        ``bw_pre_order`` freed and have not yet got back (``D - B[k]``). ``fw_freed``/``bw_freed`` are per call
+        (bytes), 1-D or 2-D (calls × columns: the running sums of every column at once, for linear forms)."""
+        fw = np.asarray(fw_freed, dtype=float)
+        bw = np.asarray(bw_freed, dtype=float)
+        F = np.concatenate([np.zeros((1,) + fw.shape[1:]), np.cumsum(fw, axis=0)])
+        B = np.concatenate([np.zeros((1,) + bw.shape[1:]), np.cumsum(bw, axis=0)])
+        return F, B[-1] - B
+
+    def freed(self, fw_freed: np.ndarray, bw_freed: np.ndarray) -> np.ndarray:
+        """Per event, the bytes the calls' frees take off it: ``F[fw_done]`` at forward events, ``G[bw_started]``
+        at backward and rc events, 0 at others (:meth:`running`; 2-D inputs give events × columns)."""
+        F, G = self.running(fw_freed, bw_freed)
+        out = np.zeros((self.num_events,) + F.shape[1:])
+        fw = self.phase == FW
+        out[fw] = F[self.pos[fw]]
+        bw = (self.phase == BW) | (self.phase == RC)
+        out[bw] = G[self.pos[bw]]
+        return out
+
     def peaks(self, fw_freed: np.ndarray, bw_freed: np.ndarray, added: np.ndarray | None = None) -> np.ndarray:
         """Bytes at every event (float array) when the ``k``-th call of ``fw_post_order`` frees ``fw_freed[k]``
         bytes at its forward's end and the ``k``-th of ``bw_pre_order`` gets ``bw_freed[k]`` back at its
         backward's start (both: discards minus what checkpointing keeps; zero for calls not checkpointed),
         plus ``added`` per event (see :meth:`held` and the module docstring)."""
-        F = np.concatenate([[0.0], np.cumsum(np.asarray(fw_freed, dtype=float))])
-        B = np.concatenate([[0.0], np.cumsum(np.asarray(bw_freed, dtype=float))])
-        m = self.base.copy()
-        fw = self.phase == FW
-        m[fw] -= F[self.pos[fw]]
-        bw = (self.phase == BW) | (self.phase == RC)
-        m[bw] -= B[-1] - B[self.pos[bw]]
+        m = self.base - self.freed(fw_freed, bw_freed)
         if added is not None:
             m += added
         return m

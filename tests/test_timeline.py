@@ -43,6 +43,19 @@ def test_peaks_of_b0_fully_discarded_by_hand():
     assert event_peaks(hand_tree(), {"b0": [4 * GiB], "b1": [4 * GiB]}) == [2 * GiB, 7 * GiB, 6 * GiB, 3 * GiB]
 
 
+def test_running_sums_and_freed_by_hand():
+    """b0 frees 4 GiB, b1 3 GiB: F = (0, 4, 7, 7) along fw_post_order; G (not yet got back) along bw_pre_order
+    (root, b1, b0) = (7, 7, 4, 0). The loss (fw_done 3) counts F[3], b1's rc event (bw_started 2) G[2], b0's
+    backward (bw_started 3) G[3]; 2-D inputs give one column per input column (the solver's linear forms)."""
+    tl = Timeline.of(hand_tree().stats)
+    fw, bw = np.array([4.0, 3.0, 0.0]), np.array([0.0, 3.0, 4.0])
+    F, G = tl.running(fw, bw)
+    assert F.tolist() == [0, 4, 7, 7] and G.tolist() == [7, 7, 4, 0]
+    assert tl.freed(fw, bw).tolist() == [7, 4, 0, 0]
+    cols = tl.freed(np.stack([fw, 2 * fw], axis=1), np.stack([bw, 2 * bw], axis=1))
+    assert cols.tolist() == [[7, 14], [4, 8], [0, 0], [0, 0]]
+
+
 @pytest.mark.parametrize("collected, planned, base0", [(1, 1, 12.0), (1, 4, 10.5), (2, 1, 14.0), (2, 2, 12.0)])
 def test_state_scales_with_the_planned_world_size(collected, planned, base0):
     """2 GiB of state collected at ``collected`` ranks is 2·collected/planned GiB per rank at ``planned``: more

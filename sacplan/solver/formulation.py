@@ -175,18 +175,12 @@ def columns_for(
             p = c.parent_slot
             up = x[idx.u[p]] if p in idx.u else y[p]
             x[idx.u[c.slot]] = up + y[c.slot]
-    ra = np.asarray(r)
-    ya = np.asarray(y)
-    if len(problem.fw_slot):
-        d = (problem.fw_amt * ra[problem.fw_slot] - problem.fw_over * ya[problem.fw_slot]) / GiB
-        F = np.concatenate([[0.0], np.cumsum(d)])
-        for kc, col in idx.F:
-            x[col] = float(F[kc])
-    if len(problem.bw_slot):
-        d = (problem.bw_amt * ra[problem.bw_slot] - problem.bw_over * ya[problem.bw_slot]) / GiB
-        B = np.concatenate([[0.0], np.cumsum(d)])
-        for kc, col in idx.G:
-            x[col] = float(B[-1] - B[kc])
+    # the running-sum columns are the timeline's running sums, read where each candidate-entry count begins
+    F, G = problem.timeline.running(*problem.call_freed(y, r))
+    for kc, col in idx.F:
+        x[col] = float(F[int(np.searchsorted(problem.kc_fw, kc))]) / GiB
+    for kc, col in idx.G:
+        x[col] = float(G[int(np.searchsorted(problem.kc_bw, kc))]) / GiB
     if idx.P >= 0:
         x[idx.P] = problem.peak(y, r) / GiB
     return x

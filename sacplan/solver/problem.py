@@ -18,7 +18,7 @@ from sacplan.devices import checkpoint_state_bytes
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.candidates import relaxed_candidate, select_candidates
 from sacplan.solver.ops import ModuleOptions, module_options
-from sacplan.timeline import BW, FW, RC, Timeline
+from sacplan.timeline import BW, RC, Timeline
 from sacplan.tradeoff import recompute_surge
 from sacplan.tree import ModuleTree
 
@@ -213,26 +213,36 @@ class SacProblem:
             r[c.slot] = o.ratio[o.level_for(float(r[c.slot]))] if y[c.slot] > 0.5 else 0.0
         return r
 
+    def call_freed(self, y: Sequence[float], r: Sequence[float], with_extra: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Per call of ``fw_post_order`` and of ``bw_pre_order``, the bytes decision ``(y, r)`` frees there
+        (:meth:`~sacplan.timeline.Timeline.peaks`' ``fw_freed``/``bw_freed``): a checkpointed candidate's call
+        discards ``A_{i,c}·r_i`` and keeps its overhead ``o_{i,c}`` (left out with ``with_extra=False``)."""
+        y = np.asarray(y, dtype=float).reshape(-1)
+        yb = (y > 0.5).astype(float)
+        r = np.asarray(r, dtype=float).reshape(-1) * yb
+        k = 1.0 if with_extra else 0.0
+        tl = self.timeline
+        fw = np.zeros(len(tl.fw_entries))
+        bw = np.zeros(len(tl.bw_entries))
+        if self.num_candidates:
+            fw[self.fw_pos] = self.fw_amt * r[self.fw_slot] - k * self.fw_over * yb[self.fw_slot]
+            bw[self.bw_pos] = self.bw_amt * r[self.bw_slot] - k * self.bw_over * yb[self.bw_slot]
+        return fw, bw
+
     def peaks(self, y: Sequence[float], r: Sequence[float], with_extra: bool = True) -> np.ndarray:
         """Predicted bytes ``m_e`` at every event for checkpoint flags ``y`` and discard ratios ``r`` (per slot).
 
         ``with_extra=False`` leaves out what checkpointing adds (recompute transients, per-call overhead):
         a lower bound for screening."""
-        y = np.asarray(y, dtype=float).reshape(-1)
-        yb = (y > 0.5).astype(float)
-        r = np.asarray(r, dtype=float).reshape(-1) * yb
         if self.num_candidates == 0:
             return self.ev_base.copy()
-        k = 1.0 if with_extra else 0.0
+        yb = (np.asarray(y, dtype=float).reshape(-1) > 0.5).astype(float)
+        r = np.asarray(r, dtype=float).reshape(-1)
         tl = self.timeline
-        fw = np.zeros(len(tl.fw_entries))
-        fw[self.fw_pos] = self.fw_amt * r[self.fw_slot] - k * self.fw_over * yb[self.fw_slot]
-        bw = np.zeros(len(tl.bw_entries))
-        bw[self.bw_pos] = self.bw_amt * r[self.bw_slot] - k * self.bw_over * yb[self.bw_slot]
         added = None
         if with_extra and len(self.t_ev):
             added = np.bincount(self.t_ev, weights=self.t_coef * yb[self.t_slot], minlength=tl.num_events)
-        m = tl.peaks(fw, bw, added)
+        m = tl.peaks(*self.call_freed(yb, r, with_extra), added)
         if with_extra:
             for i in np.nonzero(self.ev_surge >= 0)[0]:
                 s = int(self.ev_surge[i])
@@ -314,32 +324,21 @@ class SacProblem:
 
         ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
         checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
-        recompute transient at its rc events). Memoised."""
+        recompute transient at its rc events). Both are the timeline's own :meth:`~sacplan.timeline.Timeline.freed`
+        of one column per candidate. Memoised."""
         if getattr(self, "_lin", None) is None:
-            n, nc = len(self.ev_base), self.num_candidates
-            C = np.zeros((n, nc))
-            Y = np.zeros((n, nc))
-            fw_c = np.zeros((len(self.fw_slot) + 1, nc))  # per kc: discard coefficients of the first kc entries
-            fw_y = np.zeros((len(self.fw_slot) + 1, nc))
-            for p, (sl, a) in enumerate(zip(self.fw_slot, self.fw_amt)):
-                fw_c[p + 1], fw_y[p + 1] = fw_c[p], fw_y[p]
-                fw_c[p + 1, sl] += a
-                fw_y[p + 1, sl] += self.fw_over[p]
-            nb = len(self.bw_slot)
-            bw_c = np.zeros((nb + 1, nc))  # per kc: coefficients of entries kc.. (not yet re-materialised)
-            bw_y = np.zeros((nb + 1, nc))
-            for p in range(nb - 1, -1, -1):
-                bw_c[p], bw_y[p] = bw_c[p + 1], bw_y[p + 1]
-                bw_c[p, self.bw_slot[p]] += self.bw_amt[p]
-                bw_y[p, self.bw_slot[p]] += self.bw_over[p]
-            for e in range(n):
-                ph = self.ev_phase[e]
-                if ph == FW:
-                    kc = int(self.kc_fw[self.ev_k[e]])
-                    C[e], Y[e] = fw_c[kc], fw_y[kc]
-                elif ph in (BW, RC):
-                    kc = int(self.kc_bw[self.ev_k[e]])
-                    C[e], Y[e] = bw_c[kc], bw_y[kc]
+            tl, nc = self.timeline, self.num_candidates
+
+            def per_slot(pos: np.ndarray, slot: np.ndarray, amount: np.ndarray, calls: int) -> np.ndarray:
+                out = np.zeros((calls, nc))
+                out[pos, slot] = amount  # one candidate per call of an order
+                return out
+
+            nf, nb = len(tl.fw_entries), len(tl.bw_entries)
+            C = tl.freed(per_slot(self.fw_pos, self.fw_slot, self.fw_amt, nf),
+                         per_slot(self.bw_pos, self.bw_slot, self.bw_amt, nb))
+            Y = tl.freed(per_slot(self.fw_pos, self.fw_slot, self.fw_over, nf),
+                         per_slot(self.bw_pos, self.bw_slot, self.bw_over, nb))
             if len(self.t_ev):
                 np.add.at(Y, (self.t_ev, self.t_slot), self.t_coef)
             self._lin = (C, Y)

@@ -24,7 +24,6 @@ from sacplan.solver.formulation import MilpIndex, build_min_peak_model, columns_
 from sacplan.solver.limits import lifted
 from sacplan.solver.model import MilpModel, SolveResult, relaxed
 from sacplan.solver.problem import SacProblem
-from sacplan.timeline import BW, FW, RC
 
 
 #: Seconds the heuristic may spend on a min-peak MILP for its first plan when its roundings all fail, even when
@@ -263,6 +262,7 @@ def repair(
     ever raises ratios, which lowers every event). Returns the repaired ratios, or None if impossible.
     """
     r = r.copy()
+    C, _ = problem.linear_terms()
     max_iter = max_iter or (4 * len(problem.ev_base) + 16)
     for _ in range(max_iter):
         m = problem.peaks(y, r)
@@ -270,16 +270,7 @@ def repair(
         viol = m[e] - budget
         if viol <= 0:
             return r
-        ph, k = problem.ev_phase[e], int(problem.ev_k[e])
-        weight = np.zeros(problem.num_candidates)
-        if ph == FW:
-            kc = int(problem.kc_fw[k])
-            np.add.at(weight, problem.fw_slot[:kc], problem.fw_amt[:kc])
-        elif ph in (BW, RC):
-            kc = int(problem.kc_bw[k])
-            np.add.at(weight, problem.bw_slot[kc:], problem.bw_amt[kc:])
-        else:
-            return None
+        weight = C[e]  # bytes each slot's calls free at this event at ratio 1 (0 everywhere at an 'other' event)
         room = weight * (1.0 - r) * (y > 0.5)
         if room.sum() < viol:
             return None

@@ -2,7 +2,8 @@
 
 For a random non-nested choice of checkpointed modules and discard ratios: ``SacProblem.peaks`` (the solver's
 exact evaluation) equals ``evaluate.event_peaks`` (what validate, the alternatives and the plots use) at every
-event, both computed by :class:`sacplan.timeline.Timeline`; and the budget MILP's rows, at the columns
+event, both computed by :class:`sacplan.timeline.Timeline`, and so does its linear form ``linear_terms``; and
+the budget MILP's rows, at the columns
 ``columns_for`` sets for that choice, hold at a budget of exactly that peak and fail one byte below it. The
 independent brute-force oracle that re-derives every event from the stats is tests/solver/test_properties.py.
 """
@@ -48,6 +49,9 @@ def test_solver_evaluator_and_rows_agree(seed: int, world_size: int | None) -> N
         c.fqn: [a * r[c.slot] for a in c.act_bytes] for c in P.candidates if y[c.slot] > 0.5
     }
     assert np.asarray(event_peaks(tree, discards, world_size)) == pytest.approx(np.ceil(peaks - 1e-6), abs=1.0)
+    C, Y = P.linear_terms()  # the linear form the local descent and repair move along
+    if not np.any(P.ev_surge >= 0):
+        assert peaks == pytest.approx(P.ev_base - C @ (r * y) + Y @ y, rel=1e-12, abs=1e-3)
     peak = float(peaks.max())
     model, idx, trivially_infeasible = build_budget_model(P, peak)
     assert not trivially_infeasible
