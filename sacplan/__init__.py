@@ -47,7 +47,8 @@ _LAZY = {
     "sacplan.stats": ("MemoryEvent", "MemSnapshot", "ModelStats", "ModuleStats", "OpStat", "TradeOff"),
     "sacplan.tree": ("ModuleTree",),
     "sacplan.collector": ("collect",),
-    "sacplan.solver": ("solve", "sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound"),
+    "sacplan.solver": ("solve", "sac_milp", "min_feasible_budget", "baseline_peak", "certify", "recompute_lower_bound",
+                       "SolverOptions"),
     "sacplan.validation": ("validate",),
     "sacplan.budget_sweep": ("sweep",),
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
@@ -59,7 +60,7 @@ _LAZY = {
 __all__ = [
     "BudgetError", "Bytes", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
     "MemoryEvent", "ModelStats", "ModuleStats", "ModuleTree", "OpStat", "PlanError", "PlanMismatchError",
-    "SacplanError", "SolverError", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
+    "SacplanError", "SolverError", "SolverOptions", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
     "apply_plan", "baseline_peak", "certify", "collect", "fit_to_budget", "get_device", "list_devices", "load_plan", "min_feasible_budget",
     "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "show_plan", "solve", "sweep", "validate",
 ]

@@ -17,12 +17,15 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from sacplan.errors import BudgetWarning, InfeasibleBudgetError
 from sacplan.blocks import repeated_blocks as find_repeated
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB, parse_budget
+
+if TYPE_CHECKING:
+    from sacplan.solver.options import SolverOptions
 
 __all__ = ["SweepRow", "SweepResult", "sweep", "repeated_blocks", "full_ac_point"]
 
@@ -162,6 +165,7 @@ def sweep(
     time_limit_s: float | None = 60.0,
     ac_units: list[str] | None = None,
     fsdp_units: list[str] | None = None,
+    options: SolverOptions | None = None,
 ) -> SweepResult:
     """Solve the plan at several budgets.
 
@@ -174,20 +178,23 @@ def sweep(
         time_limit_s: wall-clock budget (s) of the whole sweep (default 60; None: none), shared evenly among
             the minimum-feasible solve and the points still to solve; points stopped by it keep status
             ``"time_limit"`` and their gap, said in one :class:`~sacplan.solver.TimeLimitWarning` line.
+        options: the solver settings as one :class:`~sacplan.solver.SolverOptions` instead of ``solver`` and
+            ``time_limit_s`` (its time limit is the whole sweep's; every point is solved with its settings).
 
     Returns:
         :class:`SweepResult`; budgets below the minimum feasible appear with status ``"infeasible"``.
     """
-    from sacplan.solver.limits import check_time_limit, deadline
+    from sacplan.solver.limits import DEFAULT_SWEEP_S, deadline
+    from sacplan.solver.options import resolve_options
 
-    limit = check_time_limit(time_limit_s)
-    with deadline(limit):
-        return _sweep(tree, budgets, points, world_size, solver, limit, ac_units, fsdp_units)
+    opts = resolve_options(options, dict(solver=solver, time_limit_s=time_limit_s), DEFAULT_SWEEP_S)
+    with deadline(opts.time_limit_s):
+        return _sweep(tree, budgets, points, world_size, opts, ac_units, fsdp_units)
 
 
 def _sweep(
     tree: ModuleTree, budgets: Sequence[int | float | str] | None, points: int, world_size: int | None,
-    solver: str, time_limit_s: float | None, ac_units: list[str] | None, fsdp_units: list[str] | None,
+    opts: SolverOptions, ac_units: list[str] | None, fsdp_units: list[str] | None,
 ) -> SweepResult:
 
     from sacplan.errors import ConfigError
@@ -196,6 +203,7 @@ def _sweep(
 
     stats = tree.stats
     t0 = time.monotonic()
+    time_limit_s = opts.time_limit_s
     n_solves = (points if budgets is None else len(budgets)) + 1
 
     def share(k_left: int) -> float | None:  # an even share of what is left among the solves still to run
@@ -203,8 +211,8 @@ def _sweep(
         return None if left is None else left / max(1, k_left)
 
     base = baseline_peak(tree, world_size=world_size)
-    mf = min_feasible_budget(tree, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units, solver=solver,
-                             time_limit_s=share(n_solves))
+    mf = min_feasible_budget(tree, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units,
+                             options=opts.replace(time_limit_s=share(n_solves)))
     if budgets is None:
         if points < 2:
             raise ConfigError(f"a sweep needs at least 2 points, got {points}")
@@ -219,7 +227,7 @@ def _sweep(
                 warnings.simplefilter("ignore", BudgetWarning)
                 warnings.simplefilter("ignore", TimeLimitWarning)  # said once for the sweep, below
                 p = solve(  # "<n>B": an int below 1 MiB would be read as GiB by parse_budget
-                    tree, f"{b}B", world_size=world_size, solver=solver, time_limit_s=share(len(bs) - k),
+                    tree, f"{b}B", world_size=world_size, options=opts.replace(time_limit_s=share(len(bs) - k)),
                     ac_units=ac_units, fsdp_units=fsdp_units,
                 )
         except InfeasibleBudgetError:

@@ -23,6 +23,7 @@ from sacplan.errors import ConfigError
 from sacplan.plan import ModuleDecision, Plan
 from sacplan.solver import solve
 from sacplan.solver.limits import DEFAULT_SOLVE_S
+from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, MiB
 
@@ -46,6 +47,7 @@ def fit_to_budget(
     time_limit_s: float | None = DEFAULT_SOLVE_S,
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    options: SolverOptions | None = None,
 ) -> Plan:
     """Plan selective activation checkpointing for ``model`` under ``budget`` on ``device`` and apply it.
 
@@ -67,6 +69,8 @@ def fit_to_budget(
             to :func:`sacplan.collector.collect` unchanged (``loss_fn`` default: the sum of the output).
         solver, time_limit_s: passed to :func:`sacplan.solver.solve` (``time_limit_s``: seconds, default 60 as
             there; None: no limit); stopped there, the best plan found is applied, its gap in ``plan.gap``.
+        options: every solver setting as one :class:`~sacplan.solver.SolverOptions` (instead of ``solver`` and
+            ``time_limit_s``).
 
     Returns:
         The applied plan; an empty plan (``plan.decisions == ()``) when the model fits without checkpointing.
@@ -98,7 +102,8 @@ def fit_to_budget(
         ddp=ddp,
         **kw,
     )
-    plan = solve(ModuleTree(stats), budget, solver=solver, time_limit_s=time_limit_s)
+    opts = resolve_options(options, dict(solver=solver, time_limit_s=time_limit_s))
+    plan = solve(ModuleTree(stats), budget, options=opts)
     apply_plan(model, plan)
     return plan
 

@@ -7,11 +7,12 @@ plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns)
 
 * op level, top down: ``ops`` (a module's save list at one budget, its options, its lower-bound lines),
   ``front`` (the Pareto front of save lists and its thinning), ``knapsack`` (the knapsack at one budget,
-  :class:`OpSelection`), ``groups`` (the ops decided together);
+  :class:`OpSelection`); the ops decided together are :mod:`sacplan.opgroups`;
 * solvers, top down: ``lp_proof`` (an incumbent proven optimal by LP bounds), ``backends`` (solver choice and
   :func:`solve_model`), ``cbc`` and ``highs`` (one back-end each), ``model`` (:class:`MilpModel`,
   :class:`SolveResult`, status codes);
-* ``limits`` (time budget), ``certify`` and ``compat``.
+* ``options`` (:class:`SolverOptions`: every solver setting, validated once), ``limits`` (time budget),
+  ``certify`` and ``compat``.
 """
 
 from sacplan.solver.backends import SOLVERS, solve_model
@@ -26,11 +27,13 @@ from sacplan.solver.milp import (
     solve,
 )
 from sacplan.solver.model import MilpModel, SolveResult
+from sacplan.solver.options import SolverOptions
 from sacplan.solver.ops import ModuleOptions, module_options, select_ops
 from sacplan.solver.problem import SacProblem
 
 __all__ = [
     "solve",
+    "SolverOptions",
     "sac_milp",
     "select_ops",
     "OpSelection",

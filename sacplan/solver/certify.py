@@ -17,8 +17,9 @@ import warnings
 from dataclasses import dataclass
 
 from sacplan.errors import SolverError
-from sacplan.solver.limits import DEFAULT_CERTIFY_S, check_time_limit, deadline, remaining
+from sacplan.solver.limits import DEFAULT_CERTIFY_S, deadline, remaining
 from sacplan.solver.milp import TimeLimitWarning, recompute_lower_bound, solve
+from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.tree import ModuleTree
 from sacplan.units import parse_budget
 
@@ -80,6 +81,7 @@ def certify(
     units: list[str] | None = None,
     solver: str = "auto",
     time_limit_s: float | None = DEFAULT_CERTIFY_S,
+    options: SolverOptions | None = None,
 ) -> Certificate:
     """The best plan over every plan at ``budget`` (proven when tractable) and a lower bound over every plan.
 
@@ -91,28 +93,29 @@ def certify(
         time_limit_s: wall-clock budget (s) of the whole call (default 300; None: none): at most half for the
             lower bound, the rest for the whole-front MILP; when it stops first the certificate keeps the best plan
             found, ``proven=False``, and the lower bound. <= 0 or NaN: ConfigError.
+        options: the settings as one :class:`~sacplan.solver.options.SolverOptions` instead of ``solver`` and
+            ``time_limit_s`` (its ``max_options`` is overridden: whole fronts are the point).
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
     """
-    limit = check_time_limit(time_limit_s)
-    with deadline(limit):
-        return _certify(tree, budget, units, solver, limit)
+    opts = resolve_options(options, dict(solver=solver, time_limit_s=time_limit_s), DEFAULT_CERTIFY_S)
+    with deadline(opts.time_limit_s):
+        return _certify(tree, budget, units, opts)
 
 
-def _certify(
-    tree: ModuleTree, budget: int | float | str, units: list[str] | None, solver: str, time_limit_s: float | None
-) -> Certificate:
+def _certify(tree: ModuleTree, budget: int | float | str, units: list[str] | None, opts: SolverOptions) -> Certificate:
+    time_limit_s = opts.time_limit_s
     units = every_unit(tree) if units is None else list(units)
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
-    lb = recompute_lower_bound(tree, budget_bytes, ac_units=units, solver=solver,
-                               time_limit_s=None if time_limit_s is None else time_limit_s / 2)
-    time_limit_s = remaining(time_limit_s)
+    lb = recompute_lower_bound(tree, budget_bytes, ac_units=units,
+                               options=opts.replace(time_limit_s=None if time_limit_s is None else time_limit_s / 2))
+    left = remaining(time_limit_s)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TimeLimitWarning)
         warnings.simplefilter("ignore", UserWarning)  # units without activations are skipped, by design
         try:
-            plan = solve(tree, budget_bytes, ac_units=units, max_options=None, solver=solver, time_limit_s=time_limit_s)
+            plan = solve(tree, budget_bytes, ac_units=units, options=opts.replace(max_options=None, time_limit_s=left))
         except SolverError as e:  # e.g. the time limit before any plan
             return Certificate(budget_bytes, lb, None, False, f"not run: {e}", len(units))
     if plan.status == "not needed":  # the budget fits without checkpointing

@@ -29,8 +29,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
-from sacplan.solver.limits import DEFAULT_SOLVE_S, check_time_limit, deadline
-from sacplan.solver.backends import check_solver, solve_model
+from sacplan.solver.limits import DEFAULT_SOLVE_S, deadline
+from sacplan.solver.backends import solve_model
+from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.lp_proof import prove_by_lp_branching
 from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel
 from sacplan.tree import ModuleTree
@@ -56,6 +57,7 @@ def sac_milp(
     solver: str = "auto",
     gap_rel: float = 1e-4,
     time_limit_s: float | None = DEFAULT_SOLVE_S,
+    options: SolverOptions | None = None,
 ) -> tuple[dict[str, float], float, int]:
     """PyTorch-compatible SAC MILP (see the module docstring).
 
@@ -66,11 +68,14 @@ def sac_milp(
         ac_units: allowed checkpoint units (fqns as the graph names them).
         fsdp_units: FSDP units (no checkpoint unit may contain one).
         time_limit_s: wall-clock budget (s) of the call (default 60; None: none); <= 0 or NaN: ConfigError.
+        solver, gap_rel, time_limit_s: as :class:`~sacplan.solver.options.SolverOptions`, or all settings as
+            ``options`` (decisions are ratio-only here whatever its ``op_level``: PyTorch's meaning).
 
     Returns:
         ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios to 4 digits (rounded up, so the plan
         never exceeds the budget: peak_bytes <= budget) and ms to 2 like PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
     """
+    opts = resolve_options(options, dict(solver=solver, gap_rel=gap_rel, time_limit_s=time_limit_s))
     budget = _budget_bytes(memory_budget)
     if isinstance(graph, ModuleTree):
         from sacplan.solver.milp import solve
@@ -82,10 +87,7 @@ def sac_milp(
                 world_size=world_size,
                 ac_units=list(ac_units) if ac_units is not None else None,
                 fsdp_units=list(fsdp_units) if fsdp_units is not None else None,
-                solver=solver,
-                gap_rel=gap_rel,
-                time_limit_s=time_limit_s,
-                op_level=False,
+                options=opts.replace(op_level=False),
             )
         except InfeasibleBudgetError:
             return {}, 0, -1
@@ -94,9 +96,8 @@ def sac_milp(
             round(plan.recompute_ms, 2),
             int(plan.predicted_peak_bytes),
         )
-    limit = check_time_limit(time_limit_s)
-    with deadline(limit):
-        return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, solver, gap_rel, limit)
+    with deadline(opts.time_limit_s):
+        return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, opts)
 
 
 def _is_submodule(desc: str, anc: str) -> bool:
@@ -110,12 +111,10 @@ def _graph_milp(
     world_size: int,
     ac_units: Sequence[str] | None,
     fsdp_units: Sequence[str] | None,
-    solver: str,
-    gap_rel: float,
-    time_limit_s: float | None,
+    opts: SolverOptions,
     _retry: bool = True,
 ) -> tuple[dict[str, float], float, int]:
-    solver = check_solver(solver)
+    solver, gap_rel, time_limit_s = opts.backend, opts.gap_rel, opts.time_limit_s
     nodes: list[Mapping[str, Any]] = list(graph.nodes)
     n = len(nodes)
     if n == 0:
@@ -294,7 +293,7 @@ def _graph_milp(
     if peak > budget_bytes and _retry:
         # within the solver's feasibility tolerance above the budget: solve again just below it
         return _graph_milp(graph, budget_gib - (peak - budget_bytes + 1024) / _GIB, world_size, ac_units,
-                           fsdp_units, solver, gap_rel, time_limit_s, _retry=False)
+                           fsdp_units, opts, _retry=False)
     if peak > budget_bytes:
         return {}, 0, -1
     return decisions, round(float(res.objective), 2), peak

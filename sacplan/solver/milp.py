@@ -27,20 +27,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
+from sacplan.errors import InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
 from sacplan.solver import limits
-from sacplan.solver.backends import check_solver, lp_solver, solve_model
+from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import MilpIndex, build_budget_model, columns_for, decision_from
 from sacplan.solver.lp_proof import prove_by_lp_branching
 from sacplan.solver.limits import (
     DEFAULT_SOLVE_S,
     SolveInterrupted,
-    check_time_limit,
     deadline,
     lifted,
     time_limit_message,
 )
+from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.model import (
     INFEASIBLE,
     OPTIMAL,
@@ -77,6 +77,7 @@ def min_feasible_budget(
     solver: str = "auto",
     threads: int | None = None,
     time_limit_s: float | None = DEFAULT_SOLVE_S,
+    options: SolverOptions | None = None,
 ) -> Bytes:
     """Smallest budget (bytes) any plan meets: the optimum of the MILP minimising the predicted peak.
 
@@ -84,12 +85,13 @@ def min_feasible_budget(
     read as bytes even for a small model whose minimum is under 1 MiB.
 
     ``time_limit_s`` (s, default 60; None: none) bounds the call; stopped there, the peak of the best plan found
-    is returned (a budget some plan meets, not proven the smallest)."""
-    solver = check_solver(solver)
-    limit = check_time_limit(time_limit_s)
-    with deadline(limit):
+    is returned (a budget some plan meets, not proven the smallest). ``solver``, ``threads``, ``time_limit_s``:
+    as :class:`~sacplan.solver.options.SolverOptions`, or all settings as ``options`` (this call reads those
+    three)."""
+    opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
+    with deadline(opts.time_limit_s):
         problem = SacProblem(tree, world_size, ac_units, fsdp_units)
-        return Bytes(solve_min_peak(problem, solver, threads)[0])
+        return Bytes(solve_min_peak(problem, opts)[0])
 
 
 def recompute_lower_bound(
@@ -102,6 +104,7 @@ def recompute_lower_bound(
     solver: str = "auto",
     threads: int | None = None,
     time_limit_s: float | None = DEFAULT_SOLVE_S,
+    options: SolverOptions | None = None,
 ) -> float:
     """A recompute time (ms) that *no* plan fitting ``budget`` can beat, under sacplan's memory model.
 
@@ -112,34 +115,36 @@ def recompute_lower_bound(
     how far from the best possible plan it can at most be, e.g. whether a target ("a third of full
     checkpointing") is reachable at all. 0.0 when no checkpointing is needed. Stopped by ``time_limit_s`` before
     the search has a bound of its own, the bound of the MILP's LP relaxation is returned (weaker, still valid).
+    ``solver``, ``threads``, ``time_limit_s``: as :class:`~sacplan.solver.options.SolverOptions`, or all settings
+    as ``options`` (this call reads those three).
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
     """
-    solver = check_solver(solver)
-    limit = check_time_limit(time_limit_s)
-    with deadline(limit):
-        return _recompute_lower_bound(tree, budget, world_size, ac_units, fsdp_units, solver, threads, limit)
+    opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
+    with deadline(opts.time_limit_s):
+        return _recompute_lower_bound(tree, budget, world_size, ac_units, fsdp_units, opts)
 
 
 def _recompute_lower_bound(
     tree: ModuleTree, budget: int | float | str, world_size: int | None, ac_units: Sequence[str] | None,
-    fsdp_units: Sequence[str] | None, solver: str, threads: int | None, time_limit_s: float | None,
+    fsdp_units: Sequence[str] | None, opts: SolverOptions,
 ) -> float:
+    solver, threads = opts.backend, opts.threads
     problem = SacProblem(tree, world_size, ac_units, fsdp_units, relax=True)
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
 
     def infeasible() -> InfeasibleBudgetError:
-        return InfeasibleBudgetError(budget_bytes, solve_min_peak(SacProblem(tree, world_size, ac_units, fsdp_units), solver, threads)[0])
+        return InfeasibleBudgetError(budget_bytes, solve_min_peak(SacProblem(tree, world_size, ac_units, fsdp_units), opts)[0])
 
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget_bytes:
         raise infeasible()
     model, idx, trivially_infeasible = build_budget_model(problem, float(budget_bytes))
     if trivially_infeasible:
         raise infeasible()
-    res = solve_model(model, solver, time_limit_s=time_limit_s, gap_rel=1e-6, gap_abs=1e-9, threads=threads,
+    res = solve_model(model, solver, time_limit_s=opts.time_limit_s, gap_rel=1e-6, gap_abs=1e-9, threads=threads,
                       priorities={k: 1 for k in idx.K} or None, options=["preprocess off"])  # see _solve_budget_model
     if res.status == INFEASIBLE:
         raise infeasible()
@@ -169,6 +174,7 @@ def solve(
     exact: bool | None = None,
     max_options: int | None = 16,
     on_interrupt: str = "raise",
+    options: SolverOptions | None = None,
 ) -> Plan:
     r"""Cheapest selective activation checkpointing plan whose predicted per-rank peak fits ``budget``.
 
@@ -204,31 +210,31 @@ def solve(
             module's whole Pareto front of save lists: the MILP then ranges over *every* plan (any non-nested
             units, any save lists), and ``plan.meta["options_complete"]`` is True when no front had to be
             thinned — its proven optimum is the best plan there is under the memory model.
+        options: all of the settings above (``solver`` … ``max_options``, ``on_interrupt``) as one
+            :class:`~sacplan.solver.options.SolverOptions`, instead of the keywords (not both).
 
     Raises:
         InfeasibleBudgetError: no plan fits; carries the computed smallest feasible budget.
         ConfigError: unknown module names, world_size < 1, bad budget.
         SolverError: unknown/missing solver, or the solver failed.
     """
-    solver = check_solver(solver)
-    limit = check_time_limit(time_limit_s)
-    if on_interrupt not in ("raise", "incumbent"):
-        raise ConfigError(f"on_interrupt must be 'raise' or 'incumbent', got {on_interrupt!r}")
-    with deadline(limit):
-        return _solve(tree, budget, world_size, ac_units, fsdp_units, solver, limit, gap_rel, op_level, threads, exact,
-                      max_options, on_interrupt)
+    opts = resolve_options(options, dict(
+        solver=solver, time_limit_s=time_limit_s, gap_rel=gap_rel, op_level=op_level, threads=threads, exact=exact,
+        max_options=max_options, on_interrupt=on_interrupt,
+    ))
+    with deadline(opts.time_limit_s):
+        return _solve(tree, budget, world_size, ac_units, fsdp_units, opts)
 
 
 def _solve(
     tree: ModuleTree, budget: int | float | str, world_size: int | None, ac_units: list[str] | None,
-    fsdp_units: list[str] | None, solver: str, time_limit_s: float | None, gap_rel: float, op_level: bool,
-    threads: int | None, exact: bool | None, max_options: int | None, on_interrupt: str,
+    fsdp_units: list[str] | None, opts: SolverOptions,
 ) -> Plan:
     """:func:`solve` inside its time budget."""
     t_start = time.perf_counter()
-    if exact is None:
-        exact = op_level
-    problem = SacProblem(tree, world_size, ac_units, fsdp_units, exact=exact and op_level, max_options=max_options, solver=solver)
+    solver, time_limit_s, op_level = opts.backend, opts.time_limit_s, opts.op_level
+    problem = SacProblem(tree, world_size, ac_units, fsdp_units, exact=opts.exact_mode, max_options=opts.max_options,
+                         solver=solver)
     for note in problem.notes:
         warnings.warn(note, stacklevel=2)
     stats = tree.stats
@@ -265,7 +271,7 @@ def _solve(
         )
 
     def infeasible() -> InfeasibleBudgetError:
-        mf, *_ = solve_min_peak(problem, solver, threads)
+        mf, *_ = solve_min_peak(problem, opts)
         return InfeasibleBudgetError(budget_bytes, mf)
 
     if nc == 0 or problem.lower_bound_peak() > budget_bytes:
@@ -274,7 +280,7 @@ def _solve(
     if trivially_infeasible:
         raise infeasible()
     t_h = time.perf_counter()
-    start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), solver, threads, time_limit_s)
+    start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), opts)
     heur_s = time.perf_counter() - t_h
     warm = columns_for(problem, model, idx, *start) if start is not None else None
     build_s = time.perf_counter() - t_start
@@ -283,10 +289,10 @@ def _solve(
     counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
     try:
         res, cuts, by_lp = _solve_budget_model(
-            problem, model, idx, warm, counts, float(budget_bytes), solver, gap_rel, lp_bound, remaining, threads
+            problem, model, idx, warm, counts, float(budget_bytes), opts, lp_bound, remaining
         )
     except SolveInterrupted as e:
-        if on_interrupt != "incumbent":
+        if opts.on_interrupt != "incumbent":
             raise
         res, cuts, by_lp = interrupted_result(e.result, model, warm, solver), 0, False
     solve_s = time.perf_counter() - t_solve
@@ -312,7 +318,7 @@ def _solve(
     min_feasible: int | None = None
     if res.x is None:
         if res.status == INFEASIBLE:
-            mf, y_mp, r_mp, _, _ = solve_min_peak(problem, solver, threads)
+            mf, y_mp, r_mp, _, _ = solve_min_peak(problem, opts)
             if mf > budget_bytes:
                 raise InfeasibleBudgetError(budget_bytes, mf)
             # solver tolerance at the very edge: the min-peak solution fits exactly
@@ -342,7 +348,7 @@ def _solve(
             status = TIME_LIMIT if status == OPTIMAL else status
     r_fixed = repair(problem, y, r, float(budget_bytes))
     if r_fixed is None:
-        mf, y_mp, r_mp, _, _ = solve_min_peak(problem, solver, threads)
+        mf, y_mp, r_mp, _, _ = solve_min_peak(problem, opts)
         if mf > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, mf)
         y, r = y_mp, r_mp
@@ -360,7 +366,7 @@ def _solve(
     if not problem.nesting_ok(y):  # pragma: no cover - guaranteed by the constraints
         raise SolverError("internal error: the solver returned nested checkpoint units")
     meta["model_recompute_ms"] = problem.cost(y, r)
-    decisions, y_real, r_real = realise(problem, y, r, op_level, solver)
+    decisions, y_real, r_real = realise(problem, y, r, opts)
     m = problem.peaks(y_real, r_real)
     predicted = int(math.ceil(float(np.max(m)) - 1e-6))
     if predicted > budget_bytes:  # pragma: no cover - realised discards only ever grow
@@ -396,11 +402,9 @@ def _solve_budget_model(
     warm: list[float] | None,
     counts: list[int],
     budget: float,
-    solver: str,
-    gap_rel: float,
+    opts: SolverOptions,
     lp_bound: float | None,
     time_limit_s: float | None,
-    threads: int | None,
 ) -> tuple[SolveResult, int, bool]:
     """Solve the budget MILP; in exact mode, also to exactness in bytes.
 
@@ -416,6 +420,7 @@ def _solve_budget_model(
     preprocessing off: on budgets met with equality its preprocessing has cut off the optimum (a 3-module
     tree: 25.912 ms "optimal" against 22.994 ms with it off, and by brute force).
     """
+    solver, gap_rel = opts.backend, opts.gap_rel
     binaries = (idx.y + [j for cols in idx.w.values() for j in cols]) if problem.exact else []
     cuts = 0
     t0 = time.perf_counter()
@@ -431,7 +436,7 @@ def _solve_budget_model(
             time_limit_s=remaining,
             gap_rel=gap_rel,
             gap_abs=1e-7,
-            threads=threads,
+            threads=opts.threads,
             warm_start=warm,
             # branch on class counts first (CBC's preprocessing would substitute the count columns away), then
             # on how many members of a class reach each option level: llama-small x48 at 0.5 GiB, gap 5.8e-4

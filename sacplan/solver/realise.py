@@ -16,6 +16,7 @@ from sacplan.errors import InfeasibleBudgetError
 from sacplan.plan import ModuleDecision
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.ops import max_saved_bytes_for, select_ops
+from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 
 
@@ -30,9 +31,9 @@ def per_module_peak(problem: SacProblem, m: np.ndarray) -> dict[str, int]:
 
 
 def realise(
-    problem: SacProblem, y: np.ndarray, r: np.ndarray, op_level: bool, solver: str
+    problem: SacProblem, y: np.ndarray, r: np.ndarray, opts: SolverOptions
 ) -> tuple[list[ModuleDecision], np.ndarray, np.ndarray]:
-    """Module decisions with op-level selection; returns them and the realised (y, r).
+    """Module decisions with op-level selection (``opts.op_level``); returns them and the realised (y, r).
 
     A ratio of 1 saves only ops that cost no bytes (an op making the module's output, kept anyway), or is a
     plain full checkpoint when there are none (a full checkpoint recomputes them too). Otherwise the ops saved hold at
@@ -41,6 +42,7 @@ def realise(
     fit, the module falls back to a full checkpoint (discards everything; costs the full recompute).
     """
     decisions = []
+    op_level, solver = opts.op_level, opts.backend
     r_real = r.copy()
     for c in problem.candidates:
         s = c.slot

@@ -23,6 +23,7 @@ from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import MilpIndex, build_min_peak_model, columns_for, decision_from, fix_y
 from sacplan.solver.limits import lifted
 from sacplan.solver.model import MilpModel, SolveResult, relaxed
+from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 
 
@@ -32,24 +33,24 @@ _FIRST_PLAN_S = 0.5
 
 
 def heuristic(
-    problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, solver: str, threads: int | None,
-    time_limit_s: float | None = None,
+    problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
     """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
-    LP relaxation's objective (a lower bound of the MILP's)."""
+    LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end, threads and the call's time
+    limit (its first plan may overrun a tiny limit slightly: LPs only, and a min-peak MILP of at most 2 s)."""
     if problem.num_candidates == 0:
         return None, None
-    solver = lp_solver(solver)
     left = limits.remaining()  # what the call's budget has left for the local descent after the first plan
     with lifted():  # LPs only: the first plan comes even from a spent time budget
-        return _heuristic(problem, model, idx, budget, solver, threads, time_limit_s, left)
+        return _heuristic(problem, model, idx, budget, opts, left)
 
 
 def _heuristic(
-    problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, solver: str, threads: int | None,
-    time_limit_s: float | None, left: float | None = None,
+    problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions,
+    left: float | None = None,
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
     t0 = time.perf_counter()
+    solver, threads, time_limit_s = lp_solver(opts.backend), opts.threads, opts.time_limit_s
     lp = relaxed(model)
     res = solve_model(lp, solver, threads=threads)
     if res.x is None:
@@ -67,7 +68,7 @@ def _heuristic(
             yield _unnest(problem, (yl > thr).astype(float), yl)
         if best is None:  # none fits (the LP spread y over nested chains): the units of a min-peak plan
             try:  # a first plan is worth a short overrun of a tiny limit (like the LPs above)
-                yield solve_min_peak(problem, solver, threads, time_limit_s=min(2.0, max(quick, _FIRST_PLAN_S)))[1]
+                yield solve_min_peak(problem, opts.replace(solver=solver), time_limit_s=min(2.0, max(quick, _FIRST_PLAN_S)))[1]
             except SolverError:
                 return
 
@@ -280,15 +281,18 @@ def repair(
 
 
 def solve_min_peak(
-    problem: SacProblem, solver: str, threads: int | None, time_limit_s: float | None = None
+    problem: SacProblem, opts: SolverOptions, time_limit_s: float | None = None
 ) -> tuple[int, np.ndarray, np.ndarray, SolveResult, float]:
-    """Solve the min-peak MILP; returns (ceil of the exact peak of its solution, y, r, result, build_s)."""
+    """Solve the min-peak MILP with ``opts``' back-end and threads within ``time_limit_s`` (s; None: the
+    enclosing :func:`~sacplan.solver.limits.deadline` only); returns (ceil of the exact peak of its solution,
+    y, r, result, build_s)."""
     t0 = time.perf_counter()
     model, idx = build_min_peak_model(problem)
     nc = problem.num_candidates
     warm = columns_for(problem, model, idx, np.zeros(nc), np.zeros(nc))
     build_s = time.perf_counter() - t0
-    res = solve_model(model, solver, time_limit_s=time_limit_s, gap_rel=1e-9, gap_abs=1e-9, threads=threads, warm_start=warm)
+    res = solve_model(model, opts.backend, time_limit_s=time_limit_s, gap_rel=1e-9, gap_abs=1e-9, threads=opts.threads,
+                      warm_start=warm)
     if res.x is None:
         raise SolverError(f"the min-peak MILP returned no solution ({res.solver}: {res.raw_status})")
     y, _ = decision_from(problem, idx, res.x)

@@ -1,0 +1,114 @@
+"""How a plan is searched for: the solver settings, in one validated object.
+
+:class:`SolverOptions` holds *how* the MILP is solved — back-end, wall-clock budget, gap, threads, op-level
+options — and nothing of *what* is planned (the tree, the budget, the world size and the units are the
+problem). Every public solving call (:func:`~sacplan.solver.milp.solve`, ``min_feasible_budget``,
+``recompute_lower_bound``, ``certify``, ``sweep``, ``fit_to_budget``, ``sac_milp``) accepts
+``options=SolverOptions(...)`` or the same settings as keywords (shorthand for its fields), never both, and
+threads the one object through its layers::
+
+    opts = SolverOptions(solver="cbc", time_limit_s=30)
+    plan = solve(tree, "60GiB", options=opts)
+    curve = sweep(tree, options=opts)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from sacplan.errors import ConfigError
+from sacplan.solver.backends import check_solver
+from sacplan.solver.limits import DEFAULT_SOLVE_S, check_time_limit
+
+#: accepted values of :attr:`SolverOptions.on_interrupt`
+ON_INTERRUPT = ("raise", "incumbent")
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """Solver settings (validated on construction; :class:`~sacplan.errors.ConfigError` /
+    :class:`~sacplan.errors.SolverError` say what is wrong).
+
+    Attributes:
+        solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``; the back-end
+            that runs is :attr:`backend`.
+        time_limit_s: wall-clock budget (s) of the whole call (None: none); stopped there, the best plan found
+            is returned with its proven gap. Default 60 (``certify`` 300).
+        gap_rel: relative optimality gap to prove, in [0, 1).
+        threads: solver threads (None: 1, deterministic).
+        op_level: realise ratios as op save lists (else ratio-only decisions).
+        exact: choose among each module's exact op-level options (None: as ``op_level``).
+        max_options: options per module in exact mode (None: each module's whole Pareto front).
+        on_interrupt: Ctrl-C during the search: ``"raise"`` or ``"incumbent"`` (return the best plan so far).
+    """
+
+    solver: str = "auto"
+    time_limit_s: float | None = DEFAULT_SOLVE_S
+    gap_rel: float = 1e-4
+    threads: int | None = None
+    op_level: bool = True
+    exact: bool | None = None
+    max_options: int | None = 16
+    on_interrupt: str = "raise"
+    #: the MILP back-end that runs (``"highs"`` or ``"cbc"``), from :attr:`solver`
+    backend: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", check_solver(self.solver))
+        object.__setattr__(self, "time_limit_s", check_time_limit(self.time_limit_s))
+        try:
+            gap = float(self.gap_rel)
+        except (TypeError, ValueError):
+            gap = math.nan
+        if not 0.0 <= gap < 1.0:
+            raise ConfigError(f"gap_rel must be a number in [0, 1), e.g. 1e-4, got {self.gap_rel!r}")
+        object.__setattr__(self, "gap_rel", gap)
+        for name in ("threads", "max_options"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.on_interrupt not in ON_INTERRUPT:
+            raise ConfigError(f"on_interrupt must be 'raise' or 'incumbent', got {self.on_interrupt!r}")
+
+    @property
+    def exact_mode(self) -> bool:
+        """Whether candidates choose among exact op-level options (``exact``, default ``op_level``)."""
+        return bool(self.op_level and (self.op_level if self.exact is None else self.exact))
+
+    def replace(self, **changes: Any) -> "SolverOptions":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_options(
+    options: SolverOptions | None, given: Mapping[str, Any], time_limit_default: float | None = DEFAULT_SOLVE_S
+) -> SolverOptions:
+    """The settings of one call: ``options`` when given, else the keywords ``given`` (the call's own keyword
+    arguments, named as :class:`SolverOptions`' fields; its default time limit is ``time_limit_default``).
+
+    Raises:
+        ConfigError: ``options`` is not a :class:`SolverOptions`, or a keyword differs from its default while
+            ``options`` is given (two ways to say one setting: which one was meant is not guessed).
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(SolverOptions) if f.init}
+    defaults["time_limit_s"] = time_limit_default
+    if options is None:
+        return SolverOptions(**{**defaults, **given})
+    if not isinstance(options, SolverOptions):
+        raise ConfigError(f"options must be a sacplan.SolverOptions, got {type(options).__name__}")
+    clash = sorted(k for k, v in given.items() if not _same(v, defaults[k]))
+    if clash:
+        raise ConfigError(
+            f"{', '.join(clash)} given both as keyword and through options=: pass the solver settings one way, "
+            f"e.g. options.replace({clash[0]}=...)"
+        )
+    return options
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and a == b) or (
+        isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and a == b
+    )
