@@ -115,6 +115,7 @@ def event_peaks(
     discards: Mapping[str, Sequence[int]],
     world_size: int | None = None,
     surges: Mapping[str, int] | None = None,
+    timeline: Timeline | None = None,
 ) -> list[int]:
     """Predicted bytes at every event of the step's timeline (:class:`~sacplan.timeline.Timeline`) for per-call
     ``discards`` (fqn → bytes per call), rounded up to whole bytes.
@@ -124,9 +125,10 @@ def event_peaks(
     and its :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs the checkpoint holds), from its forward
     to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`); at its rc events the
     recompute transient (``extra_bytes``) plus ``surges[fqn]`` (bytes a selective recomputation peaks above
-    the forward, :attr:`ModuleOutcome.surge_bytes`).
+    the forward, :attr:`ModuleOutcome.surge_bytes`). ``timeline``: ``Timeline.of(tree.stats, world_size)`` when
+    the caller has it already.
     """
-    tl = Timeline.of(tree.stats, world_size)
+    tl = Timeline.of(tree.stats, world_size) if timeline is None else timeline
     surges = surges or {}
     ck = checkpoint_state_bytes(tree.stats.device)  # kept per checkpointed call besides saved tensors (CPU target)
 
@@ -158,12 +160,12 @@ def predict(
     for fqn, choice in sorted(choices.items(), key=lambda kv: tree.index_of(kv[0])):
         outcomes.append(module_outcome(tree.node(fqn).stats, choice))
     discards = {o.fqn: o.discard_bytes for o in outcomes}
-    peaks = event_peaks(tree, discards, world_size, {o.fqn: o.surge_bytes for o in outcomes})
-    base = event_peaks(tree, {}, world_size)
+    tl = Timeline.of(tree.stats, world_size)
+    peaks = event_peaks(tree, discards, world_size, {o.fqn: o.surge_bytes for o in outcomes}, timeline=tl)
     i = max(range(len(peaks)), key=peaks.__getitem__) if peaks else 0
     return Prediction(
         peak_bytes=peaks[i] if peaks else 0,
-        baseline_peak_bytes=max(base) if base else 0,
+        baseline_peak_bytes=int(math.ceil(float(tl.base.max()) - 1e-6)) if tl.num_events else 0,
         recompute_ms=sum(o.recompute_ms for o in outcomes),
         recompute_flops=sum(o.recompute_flops for o in outcomes),
         peak_event=i,
