@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from sacplan.errors import BudgetWarning, InfeasibleBudgetError
 from sacplan.blocks import repeated_blocks as find_repeated
-from sacplan.tree import ModuleTree
+from sacplan.tree import ModuleTree, as_tree
 from sacplan.units import GiB, MiB, parse_budget
 
 if TYPE_CHECKING:
@@ -201,6 +201,7 @@ def _sweep(
     from sacplan.solver import TimeLimitWarning, baseline_peak, min_feasible_budget, solve
     from sacplan.solver.limits import remaining
 
+    tree = as_tree(tree)
     stats = tree.stats
     t0 = time.monotonic()
     time_limit_s = opts.time_limit_s

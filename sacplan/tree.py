@@ -245,3 +245,16 @@ class ModuleTree:
         """Map an fqn from :meth:`to_torch_module_info` back to sacplan's (root alias stripped)."""
         head, _, rest = torch_fqn.partition(".")
         return rest
+
+
+def as_tree(obj: Any) -> ModuleTree:
+    """``obj`` as a :class:`ModuleTree`: a tree is itself, the :class:`ModelStats` that ``collect`` returns is
+    wrapped; anything else is a :class:`~sacplan.errors.ConfigError` saying what to pass."""
+    if isinstance(obj, ModuleTree):
+        return obj
+    if isinstance(obj, ModelStats):
+        return ModuleTree(obj)
+    raise ConfigError(
+        f"expected the collected step: a sacplan.ModuleTree or the ModelStats sacplan.collect() returns, got "
+        f"{type(obj).__name__}; e.g. tree = sacplan.ModuleTree(sacplan.collect(model, inputs, device='h100'))"
+    )

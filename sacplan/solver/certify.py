@@ -20,7 +20,7 @@ from sacplan.errors import SolverError
 from sacplan.solver.limits import DEFAULT_CERTIFY_S, deadline, remaining
 from sacplan.solver.milp import TimeLimitWarning, recompute_lower_bound, solve
 from sacplan.solver.options import SolverOptions, resolve_options
-from sacplan.tree import ModuleTree
+from sacplan.tree import ModuleTree, as_tree
 from sacplan.units import parse_budget
 
 
@@ -105,6 +105,7 @@ def certify(
 
 
 def _certify(tree: ModuleTree, budget: int | float | str, units: list[str] | None, opts: SolverOptions) -> Certificate:
+    tree = as_tree(tree)
     time_limit_s = opts.time_limit_s
     units = every_unit(tree) if units is None else list(units)
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)

@@ -28,12 +28,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sacplan.errors import InfeasibleBudgetError
+from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solver.limits import DEFAULT_SOLVE_S, deadline
 from sacplan.solver.backends import solve_model
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.lp_proof import prove_by_lp_branching
 from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel
+from sacplan.stats import ModelStats
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
 
@@ -77,6 +78,13 @@ def sac_milp(
     """
     opts = resolve_options(options, dict(solver=solver, gap_rel=gap_rel, time_limit_s=time_limit_s))
     budget = _budget_bytes(memory_budget)
+    if isinstance(graph, ModelStats):
+        graph = ModuleTree(graph)
+    if not isinstance(graph, ModuleTree) and not hasattr(graph, "nodes"):
+        raise ConfigError(
+            f"sac_milp needs a sacplan.ModuleTree (or the ModelStats sacplan.collect() returns) or PyTorch's "
+            f"ilp_utils.Graph, got {type(graph).__name__}"
+        )
     if isinstance(graph, ModuleTree):
         from sacplan.solver.milp import solve
 

@@ -132,6 +132,7 @@ def _recompute_lower_bound(
 ) -> float:
     solver, threads = opts.backend, opts.threads
     problem = SacProblem(tree, world_size, ac_units, fsdp_units, relax=True)
+    tree = problem.tree
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
@@ -187,7 +188,7 @@ def solve(
     the realised discards.
 
     Args:
-        tree: the collected module tree.
+        tree: the collected module tree (or the ModelStats ``collect`` returns).
         budget: per-rank memory budget: GiB number, bytes, ``"40GiB"``, ``"80%"`` of the target device...
             (:func:`sacplan.units.parse_budget`).
         world_size: ranks to plan for (None: as collected). State bytes scale by ``stats.world_size/world_size``.
@@ -237,6 +238,7 @@ def _solve(
                          solver=solver)
     for note in problem.notes:
         warnings.warn(note, stacklevel=2)
+    tree = problem.tree
     stats = tree.stats
     budget_bytes = parse_budget(budget, capacity_bytes=stats.device.memory_bytes)
     base_f = problem.baseline_peak()

@@ -20,7 +20,7 @@ from sacplan.solver.candidates import relaxed_candidate, select_candidates
 from sacplan.solver.ops import ModuleOptions, module_options
 from sacplan.timeline import BW, RC, Timeline
 from sacplan.tradeoff import recompute_surge
-from sacplan.tree import ModuleTree
+from sacplan.tree import ModuleTree, as_tree
 
 
 class SacProblem:
@@ -28,7 +28,7 @@ class SacProblem:
     :mod:`sacplan.solver.formulation`).
 
     Args:
-        tree: the collected module tree.
+        tree: the collected module tree (or the ModelStats ``collect`` returns).
         world_size: ranks to plan for (None: the tree's own ``stats.world_size``).
         ac_units: allowed checkpoint units (None: every eligible module).
         fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
@@ -45,6 +45,7 @@ class SacProblem:
         solver: str = "auto",
         relax: bool = False,
     ) -> None:
+        tree = as_tree(tree)
         stats = tree.stats
         self.tree = tree
         #: exact mode: candidates with ops choose among their op-level options (see :meth:`options`)

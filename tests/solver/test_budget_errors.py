@@ -10,7 +10,9 @@ from torch import nn
 
 from sacplan.collector import collect
 from sacplan.devices import CPU
-from sacplan.errors import BudgetError, BudgetWarning
+import sacplan
+from sacplan.errors import BudgetError, BudgetWarning, ConfigError
+from sacplan.testing.llama_tree import llama_tree
 from sacplan.solver import solve
 from sacplan.budget_sweep import sweep
 from sacplan.tree import ModuleTree
@@ -38,3 +40,22 @@ def test_sweep_does_not_warn_about_its_own_points(tree):
     with warnings.catch_warnings():
         warnings.simplefilter("error", BudgetWarning)
         sweep(tree, [f"{tree.stats.peak_bytes}B"], points=2)
+
+
+def test_the_collected_stats_are_accepted_and_anything_else_is_a_config_error():
+    """Users pass what collect() returned straight to the solver; a wrong object names what to pass."""
+    tree = llama_tree(2)
+    budget = int(sacplan.baseline_peak(tree) * 0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = sacplan.solve(tree, budget), sacplan.solve(tree.stats, budget)
+        assert a.recompute_ms == b.recompute_ms and a.predicted_peak_bytes == b.predicted_peak_bytes
+        assert sacplan.min_feasible_budget(tree.stats) == sacplan.min_feasible_budget(tree)
+        assert sacplan.sac_milp(tree.stats, 30) == sacplan.sac_milp(tree, 30)
+        for call in (lambda x: sacplan.solve(x, budget), sacplan.min_feasible_budget, sacplan.baseline_peak,
+                     lambda x: sacplan.sweep(x, points=2), lambda x: sacplan.certify(x, budget),
+                     lambda x: sacplan.recompute_lower_bound(x, budget)):
+            with pytest.raises(ConfigError, match="ModuleTree or the ModelStats"):
+                call(None)
+        with pytest.raises(ConfigError, match="ilp_utils.Graph, got str"):
+            sacplan.sac_milp("graph", 30)
