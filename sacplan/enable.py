@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
-from sacplan.apply import applied_plan, apply_plan
+from sacplan.apply import applied_plan, apply_plan, check_model
 from sacplan.collector import collect
 from sacplan.devices import DeviceSpec
 from sacplan.errors import ConfigError
@@ -154,9 +154,12 @@ def show_plan(model: nn.Module, plan: Plan | None = None) -> str:
     Raises:
         ConfigError: no plan given and none applied to ``model``.
     """
+    check_model(model, "show_plan")
     plan = plan if plan is not None else applied_plan(model)
     if plan is None:
         raise ConfigError("no plan is applied to this model: pass plan=..., or apply one with sacplan.fit_to_budget")
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"show_plan needs a Plan, got {type(plan).__name__}; load a file with sacplan.load_plan(path)")
     marks = {d.fqn: _mark(d) for d in plan.decisions}
     names = {n for n, _ in model.named_modules()}
     lines = _render(model, "", marks)

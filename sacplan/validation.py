@@ -277,7 +277,7 @@ def validate(
 
     Args:
         model_fn: builds the model (called twice, after ``torch.manual_seed(seed)``, so weights match).
-        inputs_fn: builds the forward's positional arguments (a tuple or one tensor) or keyword arguments (a
+        inputs_fn: builds (or is) the forward's positional arguments (a tuple or one tensor) or keyword arguments (a
             dict) on CPU; moved to ``device``.
         plan: a :class:`~sacplan.plan.Plan` (or anything with ``decisions`` / ``fingerprint``).
         optimizer: factory ``params -> Optimizer`` (default AdamW foreach); ``False`` for none.
@@ -290,8 +290,15 @@ def validate(
         progress: called with a short line before each stage (for CLIs: real steps can take minutes).
 
     Raises:
-        ConfigError: ``device="cuda"`` without CUDA.
+        ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
     """
+    if isinstance(model_fn, nn.Module) or not callable(model_fn):
+        raise ConfigError(
+            f"validate builds the model twice (with and without the plan), so model_fn must be a factory such as "
+            f"lambda: MyModel(config), got {type(model_fn).__name__}"
+        )
+    if not hasattr(plan, "decisions"):
+        raise ConfigError(f"validate needs the Plan to check, got {type(plan).__name__}; load a file with sacplan.load_plan")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
@@ -302,7 +309,7 @@ def validate(
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
 
     torch.manual_seed(seed)
-    raw_inputs = as_inputs(inputs_fn())
+    raw_inputs = as_inputs(inputs_fn() if callable(inputs_fn) else inputs_fn)
 
     # Prediction for this host.
     def build() -> nn.Module:

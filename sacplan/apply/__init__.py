@@ -234,8 +234,16 @@ def _restore_plan(cls: Any, d: Mapping[str, Any]) -> _AppliedPlan:
     return _AppliedPlan(cls.from_dict(d))
 
 
+def check_model(model: Any, call: str) -> nn.Module:
+    """``model`` when it is an ``nn.Module``; else :class:`~sacplan.errors.ConfigError` naming ``call``."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{call} needs the nn.Module as its first argument, got {type(model).__name__} {model!r:.60}")
+    return model
+
+
 def applied_plan(model: nn.Module) -> Any:
     """The plan currently applied to ``model`` (``None`` if none)."""
+    check_model(model, "applied_plan")
     held = _inner(model).__dict__.get(_ATTR)
     return held.plan if held is not None else None
 
@@ -272,8 +280,7 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
             with gradients on. A Hugging Face ``config.use_cache=True`` in training mode is turned off with
             one warning instead (as ``gradient_checkpointing_enable`` does) and back on by :func:`remove_plan`.
     """
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"apply_plan needs the nn.Module to plan as its first argument, got {type(model).__name__} {model!r:.60}")
+    check_model(model, "apply_plan")
     if not isinstance(plan, Plan):
         how = "load it first: apply_plan(model, sacplan.load_plan(path, model))" if isinstance(plan, (str, os.PathLike)) else (
             "build it with Plan.from_dict(d), or load the file with sacplan.load_plan" if isinstance(plan, dict) else
@@ -311,6 +318,7 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
 
 def remove_plan(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_plan` (no-op if no plan is applied); accepts the same wrappers as :func:`apply_plan`."""
+    check_model(model, "remove_plan")
     for mod in model.modules():
         _unwrap(mod)
     inner = _inner(model)

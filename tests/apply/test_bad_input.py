@@ -6,7 +6,9 @@ import tempfile
 
 import pytest
 
-from sacplan.apply import apply_plan
+from sacplan.apply import applied_plan, apply_plan, remove_plan
+from sacplan.enable import show_plan
+from sacplan.validation import validate
 from sacplan.errors import ConfigError
 from sacplan.solver import solve
 
@@ -33,6 +35,22 @@ def test_plan_path_object(llama_setup, tmp_path, plan):
 def test_model_argument_must_be_a_module(plan):
     with pytest.raises(ConfigError, match="nn.Module"):
         apply_plan("llama-tiny", plan)
+    for call in (remove_plan, show_plan, applied_plan):
+        with pytest.raises(ConfigError, match=f"{call.__name__} needs the nn.Module"):
+            call(None)
+
+
+def test_show_plan_needs_a_plan(llama_setup):
+    with pytest.raises(ConfigError, match="show_plan needs a Plan, got str"):
+        show_plan(llama_setup[0](), "plan.json")
+
+
+def test_validate_needs_a_model_factory_and_a_plan(llama_setup, plan):
+    model_fn, inputs_fn = llama_setup[0], llama_setup[1]
+    with pytest.raises(ConfigError, match="factory"):
+        validate(model_fn(), inputs_fn, plan)  # the model itself: validate must build it twice
+    with pytest.raises(ConfigError, match="validate needs the Plan"):
+        validate(model_fn, inputs_fn, None)
 
 
 def test_save_under_a_regular_file_names_the_destination(plan, tmp_path):
