@@ -19,7 +19,7 @@ from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.cbc import cbc_path, solve_cbc
 from sacplan.solver.highs import branch_on_priorities, solve_highs
-from sacplan.solver.model import OPTIMAL, MilpModel, SolveResult
+from sacplan.solver.model import OPTIMAL, MilpModel, RunSettings, SolveResult
 
 #: Solver names :func:`solve_model` accepts.
 SOLVERS = ("cbc", "highs")
@@ -95,27 +95,26 @@ def solve_model(
     if model.num_cols == 0:
         return SolveResult(OPTIMAL, [], model.obj_offset, model.obj_offset, 0.0, 0.0, name, "empty")
     time_limit_s = limits.remaining(time_limit_s)  # never past the enclosing call's budget (limits.deadline)
+    run = RunSettings(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol)
     if name == "cbc":
         try:
-            return solve_cbc(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, priorities, options)
+            return solve_cbc(model, run, priorities, options)
         except SolverError as first:
             # The bundled CBC binary occasionally dies without a log on a valid model (seen with
             # warm starts). Retry plainly, then with HiGHS when installed; say so in the result.
             try:
-                res = solve_cbc(model, time_limit_s, gap_rel, gap_abs, threads, None, feas_tol, None, options)
+                res = solve_cbc(model, dataclasses.replace(run, warm_start=None), None, options)
                 return dataclasses.replace(res, log=f"CBC retried without warm start/priorities after: {first}\n" + res.log)
             except SolverError:
                 try:
                     import highspy  # noqa: F401
                 except ImportError:
                     raise first from None
-                res = solve_highs(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, None)
+                res = solve_highs(model, run)
                 return dataclasses.replace(res, log=f"CBC failed ({first}); solved with HiGHS\n" + res.log)
     if priorities and any(model.col_int):
-        return branch_on_priorities(
-            model, priorities, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, highs_options
-        )
-    return solve_highs(model, time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, highs_options)
+        return branch_on_priorities(model, priorities, run, highs_options)
+    return solve_highs(model, run, highs_options)
 
 
 def lp_solver(solver: str) -> str:

@@ -15,7 +15,9 @@ from typing import Any, Mapping, Sequence
 
 from sacplan.errors import SolverError
 from sacplan.solver import limits
-from sacplan.solver.model import ERROR, INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, SolveResult, relative_gap
+from sacplan.solver.model import (
+    ERROR, INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveResult, relative_gap,
+)
 
 
 def cbc_path() -> str | None:
@@ -61,17 +63,13 @@ def _parse_cbc_log(text: str) -> dict[str, Any]:
 
 
 def solve_cbc(
-    model: MilpModel,
-    time_limit_s: float | None,
-    gap_rel: float,
-    gap_abs: float,
-    threads: int | None,
-    warm_start: Sequence[float] | None,
-    feas_tol: float,
-    priorities: Mapping[int, int] | None = None,
-    extra_options: Sequence[str] = (),
+    model: MilpModel, run: RunSettings, priorities: Mapping[int, int] | None = None, extra_options: Sequence[str] = ()
 ) -> SolveResult:
+    """Solve ``model`` with PuLP's CBC under ``run`` (``priorities``: branching priorities per integer column;
+    ``extra_options``: raw CBC command-line options)."""
     import pulp
+
+    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
 
     prob = pulp.LpProblem(model.name, pulp.LpMinimize)
     make_var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3: no deprecation warning

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from sacplan.solver.model import (
     OPTIMAL,
     TIME_LIMIT,
     MilpModel,
+    RunSettings,
     SolveResult,
     relative_gap,
     with_bounds,
@@ -61,17 +62,11 @@ def _new_highs() -> Any:
     return h
 
 
-def solve_highs(
-    model: MilpModel,
-    time_limit_s: float | None,
-    gap_rel: float,
-    gap_abs: float,
-    threads: int | None,
-    warm_start: Sequence[float] | None,
-    feas_tol: float,
-    highs_options: Mapping[str, Any] | None = None,
-) -> SolveResult:
+def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, Any] | None = None) -> SolveResult:
+    """Solve ``model`` with in-process HiGHS under ``run`` (``highs_options``: extra HiGHS options)."""
     import highspy
+
+    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
 
     h = _new_highs()
     h.setOptionValue("output_flag", False)
@@ -134,7 +129,7 @@ def solve_highs(
         # HiGHS 1.16 can report a better MIP objective than the solution vector it returns, which is then the
         # warm start handed in (seen when presolve settles the model): the better vector is lost, so solve again
         # without the warm start.
-        res = solve_highs(model, time_limit_s, gap_rel, gap_abs, threads, None, feas_tol, highs_options)
+        res = solve_highs(model, dataclasses.replace(run, warm_start=None), highs_options)
         return dataclasses.replace(res, solve_s=res.solve_s + solve_s, log="HiGHS re-run without the warm start: its "
                                    "solution vector was the warm start, not the better objective it reported")
     if ms == highspy.HighsModelStatus.kOptimal:
@@ -160,12 +155,7 @@ def solve_highs(
 def branch_on_priorities(
     model: MilpModel,
     priorities: Mapping[int, int],
-    time_limit_s: float | None,
-    gap_rel: float,
-    gap_abs: float,
-    threads: int | None,
-    warm_start: Sequence[float] | None,
-    feas_tol: float,
+    run: RunSettings,
     highs_options: Mapping[str, Any] | None,
     max_nodes: int = 64,
 ) -> SolveResult:
@@ -176,6 +166,7 @@ def branch_on_priorities(
     Used for the count columns of repeated blocks, whose LP relaxation is weak only in *how many* blocks
     are checkpointed: once that count is fixed the LP bound is (nearly) tight.
     """
+    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
     t0 = time.perf_counter()
     order = sorted(priorities, key=lambda j: (priorities[j], j))
     best_x = list(warm_start) if warm_start is not None else None
@@ -219,7 +210,7 @@ def branch_on_priorities(
         relax = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in sub.__dict__.items()})
         relax.col_int = [False] * relax.num_cols
         try:
-            lp = solve_highs(relax, rem, 0.0, 0.0, threads, None, feas_tol, None)
+            lp = solve_highs(relax, RunSettings(rem, 0.0, 0.0, threads, None, feas_tol))
         except limits.SolveInterrupted:
             stack.append((lb, ub, parent_bound))
             status_time = True
@@ -251,7 +242,7 @@ def branch_on_priorities(
             opts["objective_bound"] = best + max(gap_abs, 1e-9 * abs(best))
         try:
             with limits.within(best, min([best] + leaf_bounds + [b for _, _, b in stack])):
-                res = solve_highs(sub, left(), gap_rel, gap_abs, threads, ws, feas_tol, opts)
+                res = solve_highs(sub, dataclasses.replace(run, time_limit_s=left(), warm_start=ws), opts)
         except limits.SolveInterrupted as e:
             leaf = e.result
             if leaf is not None and leaf.x is not None and leaf.objective < best:

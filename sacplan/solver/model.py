@@ -122,6 +122,30 @@ class MilpModel:
         }
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """How one back-end run goes (what :func:`~sacplan.solver.backends.solve_model` hands CBC or HiGHS).
+
+    Attributes:
+        time_limit_s: wall-clock limit (s; None: none).
+        gap_rel, gap_abs: stop once the relative / absolute gap (objective units: ms) is this small.
+        threads: solver threads (None: one, deterministic).
+        warm_start: a full column vector to start from, or None.
+        feas_tol: primal feasibility tolerance (model units: GiB for the SAC rows).
+    """
+
+    time_limit_s: float | None = None
+    gap_rel: float = 1e-4
+    gap_abs: float = 1e-9
+    threads: int | None = None
+    warm_start: Sequence[float] | None = None
+    feas_tol: float = 1e-9
+
+    def fields(self) -> tuple[float | None, float, float, int | None, Sequence[float] | None, float]:
+        """``(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol)``."""
+        return self.time_limit_s, self.gap_rel, self.gap_abs, self.threads, self.warm_start, self.feas_tol
+
+
 @dataclass
 class SolveResult:
     """What a back-end returns (objective/bound in model units, i.e. including ``obj_offset``)."""
