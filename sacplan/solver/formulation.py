@@ -361,45 +361,43 @@ def _sums(
     fw_lb: dict[int, float],
     bw_lb: dict[int, float],
 ) -> tuple[dict[int, int], dict[int, int]]:
-    """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised)."""
-    Fcol: dict[int, int] = {}
-    prev_col, prev_kc = -1, 0
-    for kc in sorted(set(fw_kcs)):
-        col = model.add_col(f"F{kc}", fw_lb.get(kc, -math.inf), math.inf)
-        ind, val = [col], [1.0]
-        if prev_col >= 0:
-            ind.append(prev_col)
-            val.append(-1.0)
-        for p in range(prev_kc, kc):
-            ind.append(idx.r[int(problem.fw_slot[p])])
-            val.append(-problem.fw_amt[p] / GiB)
-            if problem.fw_over[p]:
-                ind.append(idx.y[int(problem.fw_slot[p])])
-                val.append(problem.fw_over[p] / GiB)
-        model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
-        Fcol[kc] = col
-        idx.F.append((kc, col))
-        prev_col, prev_kc = col, kc
-    Gcol: dict[int, int] = {}
-    total = len(problem.bw_slot)
-    prev_col, prev_kc = -1, total
-    for kc in sorted(set(bw_kcs), reverse=True):
-        col = model.add_col(f"G{kc}", bw_lb.get(kc, -math.inf), math.inf)
-        ind, val = [col], [1.0]
-        if prev_col >= 0:
-            ind.append(prev_col)
-            val.append(-1.0)
-        for p in range(kc, prev_kc):
-            ind.append(idx.r[int(problem.bw_slot[p])])
-            val.append(-problem.bw_amt[p] / GiB)
-            if problem.bw_over[p]:
-                ind.append(idx.y[int(problem.bw_slot[p])])
-                val.append(problem.bw_over[p] / GiB)
-        model.add_row(f"Gdef{kc}", ind, val, lb=0.0, ub=0.0)
-        Gcol[kc] = col
-        idx.G.append((kc, col))
-        prev_col, prev_kc = col, kc
+    """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised): the
+    timeline's :meth:`~sacplan.timeline.Timeline.running` sums as rows, at the candidate-entry counts ``kc`` a
+    constraint reads (``columns_for`` fills them from the timeline itself)."""
+    Fcol = _running_columns(problem, model, idx, "F", fw_kcs, fw_lb, forward=True)
+    idx.F.extend(Fcol.items())
+    Gcol = _running_columns(problem, model, idx, "G", bw_kcs, bw_lb, forward=False)
+    idx.G.extend(Gcol.items())
     return Fcol, Gcol
+
+
+def _running_columns(
+    problem: SacProblem, model: MilpModel, idx: MilpIndex, name: str, kcs: Sequence[int], lb: dict[int, float],
+    forward: bool,
+) -> dict[int, int]:
+    """One running sum's columns ``S_kc = S_prev + Σ (A·r - o·y)/GiB`` over the candidate entries between:
+    forward (``F``), entries ``< kc`` of ``fw_post_order`` with ``kc`` ascending; backward (``G``), entries
+    ``>= kc`` of ``bw_pre_order`` with ``kc`` descending. Returns ``{kc: column}`` in that order."""
+    slot, amt, over = (problem.fw_slot, problem.fw_amt, problem.fw_over) if forward else (
+        problem.bw_slot, problem.bw_amt, problem.bw_over)
+    cols: dict[int, int] = {}
+    prev_col, prev_kc = -1, (0 if forward else len(slot))
+    for kc in sorted(set(kcs), reverse=not forward):
+        col = model.add_col(f"{name}{kc}", lb.get(kc, -math.inf), math.inf)
+        ind, val = [col], [1.0]
+        if prev_col >= 0:
+            ind.append(prev_col)
+            val.append(-1.0)
+        for p in (range(prev_kc, kc) if forward else range(kc, prev_kc)):
+            ind.append(idx.r[int(slot[p])])
+            val.append(-amt[p] / GiB)
+            if over[p]:
+                ind.append(idx.y[int(slot[p])])
+                val.append(over[p] / GiB)
+        model.add_row(f"{name}def{kc}", ind, val, lb=0.0, ub=0.0)
+        cols[kc] = col
+        prev_col, prev_kc = col, kc
+    return cols
 
 
 def _added(
