@@ -21,15 +21,18 @@ subtrees (repeated blocks) share one front, and ``m`` copies are summed by doubl
 Exact: no bucketing. Two safe reductions per front of a subtree ``T``, with ``neg_s = min(0, min_k v_{s,k})``
 and ``pos_s = max(0, max_k v_{s,k})`` per event, ``N = Σ_all neg``, ``P = Σ_all pos``:
 
-* clamp each coordinate at ``cap_T = need - (N - Σ_{s∈T} neg_s)``: whatever the other candidates choose, they add
-  at least ``N - Σ_T neg``, so a value ``x >= cap_T`` meets ``need`` in every completion exactly as ``cap_T``
-  does; and ``min(x, cap_T) <= x`` makes no completion feasible that was not. Clamping commutes with ``⊕``: for
-  ``T = T1 ∪ T2`` (disjoint), a clamped ``cap_T1 + x2 >= need - N + Σ_T1 neg + Σ_T2 neg >= cap_T`` (each
-  ``neg <= 0``; a node's own options are counted in ``Σ_T`` though exclusive with its children, which only
-  lowers the cap: still safe), so clamping the sum of clamped parts equals clamping the true sum.
+* clamp each coordinate at ``cap_T = need - (N - Σ_{s∈T} neg_s)`` (events with ``need <= N`` hold for every
+  decision and are dropped first, so ``cap_T > Σ_T neg``, below any value of ``T``): whatever the other
+  candidates choose, they add at least ``N - Σ_T neg``, so a value ``x >= cap_T`` meets ``need`` in every
+  completion exactly as ``cap_T`` does; and ``min(x, cap_T) <= x`` makes no completion feasible that was not.
+  Clamping commutes with ``⊕``: for ``T = T1 ∪ T2`` (disjoint), a clamped ``cap_T1`` plus any (clamped or not)
+  ``x2 >= Σ_T2 neg`` is ``>= need - N + Σ_T1 neg + Σ_T2 neg >= cap_T`` (each ``neg <= 0``; a node's own options
+  are counted in ``Σ_T`` though exclusive with its children, which only lowers the cap: still safe), so clamping
+  the sum of clamped parts equals clamping the true sum.
 * drop points with ``x + (P - Σ_T pos) < need - tol`` on some event: no completion can reach ``need``.
 
-Float sums differ from :meth:`~sacplan.solver.problem.SacProblem.peaks` by far less than ``tol`` (1 byte), so
+Float sums differ from :meth:`~sacplan.solver.problem.SacProblem.peaks` by far less than ``tol`` (:data:`TOL_REL`
+of the largest byte figure: ~0.1 byte at 100 GB), so
 the DP solves a relaxation (``need - tol``) exactly; its cheapest point is then checked exactly (peaks <= b,
 cost): feasible means optimal, otherwise the DP gives up (returns None) rather than trust float sums.
 """
@@ -46,8 +49,10 @@ import numpy as np
 from sacplan.solver import limits
 from sacplan.solver.problem import SacProblem
 
-#: binding events above which the DP is not tried (fronts grow with the dimension)
+#: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
 MAX_BINDING = 4
+#: events that can exceed the budget above which the DP does not screen them for the binding ones
+MAX_SCREENED = 5_000
 #: points one front may keep before the DP gives up
 MAX_FRONT = 200_000
 #: pairs one Minkowski sum may form before the DP gives up (time and memory: summed in chunks)
@@ -56,8 +61,9 @@ MAX_PAIRS = 20_000_000
 CHUNK_PAIRS = 1_000_000
 #: most seconds :func:`~sacplan.solver.milp.solve` gives the DP (and at most a tenth of its limit)
 TREE_DP_MAX_S = 5.0
-#: bytes of float slack in the relaxation (the exact check decides)
-TOL_BYTES = 1.0
+#: float slack of the relaxation, relative to the largest byte figure summed (the exact check decides): sums of
+#: n terms err by at most ~n·2.2e-16 of it, below this for n up to thousands of candidates
+TOL_REL = 1e-12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +178,8 @@ class TreeDp:
             surge_top[e] = max(problem.surge(int(problem.ev_surge[e])))
         self.binding = np.nonzero(problem.ev_base + np.clip(Y, 0, None).sum(1) + surge_top > budget)[0]
         K = len(self.binding)
-        if K > MAX_BINDING:
-            raise TreeDpGaveUp(f"{K} events can bind (> {MAX_BINDING})")
+        if K > MAX_SCREENED:
+            raise TreeDpGaveUp(f"{K} events can exceed the budget (> {MAX_SCREENED} to screen)")
         self.need = problem.ev_base[self.binding] - float(budget)
         self.opts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per slot: ratios, costs ms, v (k × K)
         for c in problem.candidates:
@@ -181,7 +187,7 @@ class TreeDp:
             if o is None:
                 if c.recompute_ms > 0:
                     raise TreeDpGaveUp(f"candidate {c.fqn!r} has no exact options (continuous trade-off lines)")
-                ratio, q = np.array([1.0]), np.array([0.0])
+                ratio, q, ok = np.array([1.0]), np.array([0.0]), np.array([True])
             else:
                 ok = np.asarray(o.ratio) >= c.min_ratio  # the MILP's r >= min_ratio·y
                 ratio = np.asarray(o.ratio, dtype=float)[ok]
@@ -193,9 +199,11 @@ class TreeDp:
             v = C[self.binding, c.slot][None, :] * ratio[:, None] - Y[self.binding, c.slot][None, :] - sg
             self.opts.append((ratio, q, v))
         self.reduce_events()
+        K = len(self.need)
         self.neg = [np.minimum(0.0, v.min(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
         self.pos = [np.maximum(0.0, v.max(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
+        self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
         self.children: list[list[int]] = [[] for _ in problem.candidates]
         self.top: list[int] = []
         for c in problem.candidates:
@@ -203,23 +211,30 @@ class TreeDp:
         self.sig: dict[int, int] = {}
         self.sig_ids: dict[tuple, int] = {}
         self.memo: dict[int, Front] = {}
-        K = len(self.need)
         self.zero = Front(np.zeros(1), np.zeros((1, K)), 0, np.zeros(K), np.zeros(K), lambda i, slots: [])
 
     def reduce_events(self) -> None:
-        """Drop binding events another implies: ``e`` when some ``f`` has ``need[f] >= need[e]`` and every option
-        contributes at ``e`` at least what it does at ``f`` (then ``Σ v[e] >= Σ v[f] >= need[f] >= need[e]``)."""
-        V = np.concatenate([v for _, _, v in self.opts]) if self.opts else np.zeros((0, len(self.need)))
-        drop: set[int] = set()
-        for e in range(len(self.need)):
-            for f in range(len(self.need)):
-                if e != f and f not in drop and self.need[f] >= self.need[e] and np.all(V[:, e] >= V[:, f]) and (
-                        self.need[f] > self.need[e] or np.any(V[:, e] > V[:, f]) or f < e):
-                    drop.add(e)
-                    break
-        keep = [j for j in range(len(self.need)) if j not in drop]
-        self.binding, self.need = self.binding[keep], self.need[keep]
-        self.opts = [(ratio, q, v[:, keep]) for ratio, q, v in self.opts]
+        """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <=
+        Σ_s neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and
+        every option contributes at ``e`` at least what it does at ``f`` (``Σ v[e] >= Σ v[f] >= need[f] >=
+        need[e]``). Events in order of need, so only kept ones are compared; more than :data:`MAX_BINDING` kept:
+        give up."""
+        V = np.concatenate([v for _, _, v in self.opts])
+        low = np.zeros(len(self.need))
+        for _, _, v in self.opts:
+            low += np.minimum(0.0, v.min(0)) if len(v) else 0.0
+        kept: list[int] = []
+        for e in np.argsort(-self.need, kind="stable").tolist():
+            if self.need[e] <= low[e]:  # met by every decision (and the caps below need need > Σ neg)
+                continue
+            if kept and (V[:, kept] <= V[:, e:e + 1]).all(0).any():
+                continue
+            kept.append(e)
+            if len(kept) > MAX_BINDING:
+                raise TreeDpGaveUp(f"more than {MAX_BINDING} of {len(self.need)} events can bind (not implied by others)")
+        kept.sort()
+        self.binding, self.need = self.binding[kept], self.need[kept]
+        self.opts = [(ratio, q, v[:, kept]) for ratio, q, v in self.opts]
 
     # -- fronts -----------------------------------------------------------------------------------------
     def signature(self, s: int) -> int:
@@ -237,7 +252,7 @@ class TreeDp:
         """Clamp at the cap, drop hopeless points, keep the Pareto set; returns the kept indices (vec clamped in
         place)."""
         np.minimum(vec, self.need - (self.N - neg), out=vec)
-        ok = np.nonzero((vec + (self.Ptot - pos) >= self.need - TOL_BYTES).all(1))[0]
+        ok = np.nonzero((vec + (self.Ptot - pos) >= self.need - self.tol).all(1))[0]
         return ok[pareto(cost[ok], vec[ok])]
 
     def check(self, n: int) -> None:
@@ -256,7 +271,7 @@ class TreeDp:
         # one coordinate, b's front rises in cost with it, so of the pairs reaching the cap only the first counts.
         ob = np.argsort(b.vec[:, 0], kind="stable")
         bx = b.vec[ob, 0]
-        start = np.searchsorted(bx, self.need[0] - (self.Ptot[0] - pos[0]) - TOL_BYTES - a.vec[:, 0], side="left")
+        start = np.searchsorted(bx, self.need[0] - (self.Ptot[0] - pos[0]) - self.tol - a.vec[:, 0], side="left")
         end = np.full(len(a.cost), len(bx))
         if len(self.need) == 1:  # + 2: float slack at the cap
             end = np.minimum(end, np.searchsorted(bx, self.need[0] - (self.N[0] - neg[0]) - a.vec[:, 0]) + 2)
@@ -337,9 +352,11 @@ class TreeDp:
 
     def solve(self) -> tuple[np.ndarray, np.ndarray, float] | None:
         """(y, r, DP cost ms) of the cheapest point meeting ``need - tol``; None when none does."""
+        if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
+            return np.zeros(self.P.num_candidates), np.zeros(self.P.num_candidates), 0.0
         top = self.ordered(self.top)
         root = self.forest(top)
-        ok = np.nonzero((root.vec >= self.need - TOL_BYTES).all(1))[0]
+        ok = np.nonzero((root.vec >= self.need - self.tol).all(1))[0]
         if not len(ok):
             return None
         i = int(ok[np.argmin(root.cost[ok])])
