@@ -211,6 +211,12 @@ def issue14(args) -> None:
 
     limit = args.time_limit or 60.0
     modes = args.issue14_dp.split(",")
+
+    def agree(key, first) -> str:  # sweeps: rows' (budget, ms, peak); plans: (ms, peak, decisions)
+        if key is first:
+            return ""
+        return "same" if key == first else "equal cost and peak" if key[:2] == first[:2] else "DIFFERENT"
+
     print(f"{'cell':34s} {'solver':6s} {'DP':4s} {'wall s':>7s}  status       {'gap':>9s}  {'recompute ms':>12s}  "
           "proved by / same plan as the first mode")
     for label, preset, ov, batch, seq, ws, what in ISSUE14_CELLS:
@@ -227,16 +233,16 @@ def issue14(args) -> None:
                         status = ",".join(sorted({r.status for r in res.rows}))
                         gap = max((r.gap for r in res.rows if r.gap == r.gap), default=0.0)
                         ms = float("nan")
-                        key = [(r.budget_bytes, r.recompute_ms, r.predicted_peak_bytes) for r in res.rows]
+                        key = [(r.budget_bytes, round(r.recompute_ms, 9), r.predicted_peak_bytes) for r in res.rows]
                         how = ""
                     else:
                         p = solve(tree, what, solver=solver, time_limit_s=limit)
                         status, gap, ms = p.status, p.gap, p.recompute_ms
-                        key = (p.decisions, p.predicted_peak_bytes)
+                        key = (round(p.recompute_ms, 9), p.predicted_peak_bytes, p.decisions)
                         how = p.meta.get("proved_by", "")
                 first = key if first is None else first
                 print(f"{label:34s} {solver:6s} {mode:4s} {time.perf_counter() - t0:7.1f}  {status:12s} {gap:9.2e}  "
-                      f"{ms:12.4f}  {how} {'' if key is first else ('same' if key == first else 'DIFFERENT')}",
+                      f"{ms:12.4f}  {how} {agree(key, first)}",
                       flush=True)
 
 
