@@ -8,7 +8,9 @@ Usage::
 Builds the same problem ``solve`` builds (exact options, at most 16 per module) and prints:
 
 * how many events can exceed the budget at all (base + every overhead, transient and surge);
-* the LP bound and plan of ``solve`` at its default 60 s limit;
+* the tree DP alone (:mod:`sacplan.solver.tree_dp`): its time, binding events, front sizes and optimum;
+* ``solve`` at its default 60 s limit with the tree DP (its default) and without it (the MILP alone, as before
+  the DP), and whether their plans are byte-identical;
 * the optimum of a flat formulation over the binding events only — one binary per option, one row per
   candidate, one row per candidate–ancestor pair, one row per binding event — without nesting rows (a lower
   bound: it may checkpoint a block and its children) and with them (the optimum, exact in the same model).
@@ -19,17 +21,20 @@ Figures go to benchmarks/RESULTS.md ("Issue 14 cells"). HiGHS (highspy) must be 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
+from unittest import mock
 
 import numpy as np
 import torch
 
 import sacplan
-from sacplan.solver import solve
+from sacplan.solver import milp, solve
 from sacplan.solver.backends import solve_model
 from sacplan.solver.model import MilpModel
 from sacplan.solver.problem import SacProblem
+from sacplan.solver.tree_dp import solve_tree_dp
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
 
@@ -78,12 +83,25 @@ def main() -> None:
     print(f"collected in {time.perf_counter() - t0:.1f} s; budget {budget / GiB:.2f} GiB")
     P = SacProblem(tree, exact=True, max_options=16)
     print(f"{P.num_candidates} candidates, {len(P.ev_base)} events")
+    why: list[str] = []
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = solve(tree, budget, time_limit_s=args.time_limit)
-    print(f"solve: {plan.status}, {plan.objective_ms:.4f} ms, bound {plan.bound_ms:.4f} ms, "
-          f"{time.perf_counter() - t0:.1f} s")
+    dp = solve_tree_dp(SacProblem(tree, exact=True, max_options=16), budget, None, why)
+    if dp is None:
+        print(f"tree DP: gave up after {time.perf_counter() - t0:.2f} s: {why[0]}")
+    else:
+        print(f"tree DP: {dp.cost_ms:.4f} ms in {dp.seconds:.2f} s (with option building "
+              f"{time.perf_counter() - t0:.2f} s); binding events {list(dp.binding)}; fronts {list(dp.front_sizes)}")
+    plans = {}
+    for label, ctx in (("with the tree DP", contextlib.nullcontext()),
+                       ("MILP alone", mock.patch.object(milp, "solve_tree_dp", lambda *a, **k: None))):
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(), ctx:
+            warnings.simplefilter("ignore")
+            plan = plans[label] = solve(tree, budget, time_limit_s=args.time_limit)
+        print(f"solve, {label}: {plan.status}, {plan.objective_ms:.4f} ms, bound {plan.bound_ms:.4f} ms, "
+              f"{time.perf_counter() - t0:.1f} s, proved by {plan.meta['proved_by']}")
+    a, b = plans.values()
+    print(f"plans byte-identical: {a.decisions == b.decisions and a.predicted_peak_bytes == b.predicted_peak_bytes}")
     for nesting in (False, True):
         m, col, n_binding = flat_model(P, budget, nesting)
         t0 = time.perf_counter()

@@ -29,6 +29,7 @@ and CBC's process start); the reference runs once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import os
@@ -201,27 +202,48 @@ def issue14_tree(preset, overrides, batch, seq, world_size):
 
 
 def issue14(args) -> None:
-    """Wall seconds of issue 14's cells (collection excluded), per solver, under ``--time-limit`` (default 60 s)."""
+    """Wall seconds of issue 14's cells (collection excluded), per solver, under ``--time-limit`` (default 60 s),
+    with the tree DP (``solve``'s default) and without it (``--issue14-dp``), and whether the plans agree."""
+    from unittest import mock
+
     from sacplan.budget_sweep import sweep
+    from sacplan.solver import milp
 
     limit = args.time_limit or 60.0
-    print(f"{'cell':34s} {'solver':6s} {'wall s':>7s}  status       {'gap':>9s}  {'recompute ms':>12s}")
+    modes = args.issue14_dp.split(",")
+
+    def agree(key, first) -> str:  # sweeps: rows' (budget, ms, peak); plans: (ms, peak, decisions)
+        if key is first:
+            return ""
+        return "same" if key == first else "equal cost and peak" if key[:2] == first[:2] else "DIFFERENT"
+
+    print(f"{'cell':34s} {'solver':6s} {'DP':4s} {'wall s':>7s}  status       {'gap':>9s}  {'recompute ms':>12s}  "
+          "proved by / same plan as the first mode")
     for label, preset, ov, batch, seq, ws, what in ISSUE14_CELLS:
         tree = issue14_tree(preset, ov, batch, seq, ws)
         for solver in args.issue14_solvers.split(","):
-            t0 = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if what == "sweep":
-                    res = sweep(tree, points=8, solver=solver, time_limit_s=limit)
-                    status = ",".join(sorted({r.status for r in res.rows}))
-                    gap = max((r.gap for r in res.rows if r.gap == r.gap), default=0.0)
-                    ms = float("nan")
-                else:
-                    p = solve(tree, what, solver=solver, time_limit_s=limit)
-                    status, gap, ms = p.status, p.gap, p.recompute_ms
-            print(f"{label:34s} {solver:6s} {time.perf_counter() - t0:7.1f}  {status:12s} {gap:9.2e}  {ms:12.4f}",
-                  flush=True)
+            first = None
+            for mode in modes:
+                t0 = time.perf_counter()
+                off = mock.patch.object(milp, "solve_tree_dp", lambda *a, **k: None) if mode == "off" else None
+                with warnings.catch_warnings(), (off or contextlib.nullcontext()):
+                    warnings.simplefilter("ignore")
+                    if what == "sweep":
+                        res = sweep(tree, points=8, solver=solver, time_limit_s=limit)
+                        status = ",".join(sorted({r.status for r in res.rows}))
+                        gap = max((r.gap for r in res.rows if r.gap == r.gap), default=0.0)
+                        ms = float("nan")
+                        key = [(r.budget_bytes, round(r.recompute_ms, 9), r.predicted_peak_bytes) for r in res.rows]
+                        how = ""
+                    else:
+                        p = solve(tree, what, solver=solver, time_limit_s=limit)
+                        status, gap, ms = p.status, p.gap, p.recompute_ms
+                        key = (round(p.recompute_ms, 9), p.predicted_peak_bytes, p.decisions)
+                        how = p.meta.get("proved_by", "")
+                first = key if first is None else first
+                print(f"{label:34s} {solver:6s} {mode:4s} {time.perf_counter() - t0:7.1f}  {status:12s} {gap:9.2e}  "
+                      f"{ms:12.4f}  {how} {agree(key, first)}",
+                      flush=True)
 
 
 def main(argv=None) -> int:
@@ -241,6 +263,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--issue14", action="store_true", help="only issue 14's cells (see ISSUE14_CELLS)")
     ap.add_argument("--issue14-solvers", default="highs,cbc", help="solvers for --issue14")
+    ap.add_argument("--issue14-dp", default="on,off", help="--issue14 with the tree DP (on) and/or without it (off)")
     args = ap.parse_args(argv)
     if args.issue14:
         issue14(args)

@@ -54,6 +54,7 @@ from sacplan.solver.model import (
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import per_module_peak, realise
 from sacplan.solver.search import heuristic, repair, solve_min_peak
+from sacplan.solver.tree_dp import TREE_DP_MAX_S, solve_tree_dp
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes, parse_budget
 
@@ -281,8 +282,12 @@ def _solve(
     model, idx, trivially_infeasible = build_budget_model(problem, float(budget_bytes))
     if trivially_infeasible:
         raise infeasible()
+    # exact mode, few events that can bind: the tree DP proves the optimum in well under a second (issue 14)
+    why: list[str] = []
+    dp = solve_tree_dp(problem, float(budget_bytes), min(TREE_DP_MAX_S, 0.1 * (time_limit_s or math.inf)), why) \
+        if problem.exact else None
     t_h = time.perf_counter()
-    start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), opts)
+    start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), opts) if dp is None else (None, None)
     heur_s = time.perf_counter() - t_h
     warm = columns_for(problem, model, idx, *start) if start is not None else None
     build_s = time.perf_counter() - t_start
@@ -290,9 +295,13 @@ def _solve(
     remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
     counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
     try:
-        res, cuts, by_lp = _solve_budget_model(
-            problem, model, idx, warm, counts, float(budget_bytes), opts, lp_bound, remaining
-        )
+        if dp is not None:
+            x = columns_for(problem, model, idx, dp.y, dp.r)
+            res, cuts, by_lp = SolveResult(OPTIMAL, x, dp.cost_ms, dp.cost_ms, 0.0, dp.seconds, solver, "tree-dp"), 0, False
+        else:
+            res, cuts, by_lp = _solve_budget_model(
+                problem, model, idx, warm, counts, float(budget_bytes), opts, lp_bound, remaining
+            )
     except SolveInterrupted as e:
         if opts.on_interrupt != "incumbent":
             raise
@@ -309,7 +318,10 @@ def _solve(
         "raw_status": res.raw_status,
         "lp_bound_ms": lp_bound,
         # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
-        "proved_by": "lp" if by_lp else solver,
+        "proved_by": "tree-dp" if dp is not None else "lp" if by_lp else solver,
+        # the tree DP's figures (s, binding events, largest front), or why it did not apply (None: not tried)
+        "tree_dp": (why or [None])[0] if dp is None else
+        {"s": dp.seconds, "binding_events": len(dp.binding), "max_front": max(dp.front_sizes, default=0)},
         # solutions the solver accepted within its tolerance that exceed the budget in exact bytes, cut off
         "tolerance_cuts": cuts,
         "op_level": op_level,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solver import certify, every_unit, solve
 from sacplan.testing.synthetic import MiB, build_tree
-from test_exact import _brute, _pareto, _random_spec, _subsets
+from test_exact import _pareto, _subsets, brute_over_options, random_option_spec
 from test_properties import oracle
 
 
@@ -22,7 +22,7 @@ from test_properties import oracle
 @given(seed=st.integers(0, 2**31 - 1), u=st.floats(0.0, 1.0))
 @example(seed=2_147_483_647, u=1.0)  # a zero lower bound is not a zero best plan (it was returned as one)
 def test_certificate_is_the_brute_force_over_every_plan(seed, u):
-    tree = build_tree(_random_spec(random.Random(seed)))
+    tree = build_tree(random_option_spec(random.Random(seed)))
     cands, base, C, X = oracle(tree, None, with_root=True)
     assert [n.fqn for n in cands] == every_unit(tree)
     # units with an op list (the synthetic root has none: its cost would be a trade-off line, not a save list)
@@ -34,10 +34,10 @@ def test_certificate_is_the_brute_force_over_every_plan(seed, u):
         t = n.stats.tradeoff
         full.append(_pareto(_subsets(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms)))
     baseline = float(np.max(base))
-    _, min_peak = _brute(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
     assume(min_peak < baseline - 1)
     budget = int(min_peak + u * (baseline - 1 - min_peak))
-    best, _ = _brute(tree, cands, base, C, X, budget, full)
+    best, _ = brute_over_options(tree, cands, base, C, X, budget, full)
     cert = certify(tree, budget, units=[n.fqn for n in cands])
     assert cert.proven and cert.best_ms == pytest.approx(best, rel=1e-7, abs=1e-9)
     assert cert.lower_bound_ms <= best + 1e-6 * (1 + best)
@@ -48,7 +48,7 @@ def test_certificate_is_the_brute_force_over_every_plan(seed, u):
 
 
 def test_certify_trivial_and_infeasible():
-    tree = build_tree(_random_spec(random.Random(3)))
+    tree = build_tree(random_option_spec(random.Random(3)))
     _, base, _, _ = oracle(tree, None, with_root=True)
     c = certify(tree, int(np.max(base)) + 1)
     assert c.proven and c.best_ms == 0.0 and c.lower_bound_ms == 0.0

@@ -109,7 +109,7 @@ def test_fractional_lines_lie_below_every_subset():
     assert max(s * r_none + b for s, b in zip(sl, ic)) == pytest.approx(q_none)
 
 
-def _random_spec(rng: random.Random) -> Spec:
+def random_option_spec(rng: random.Random) -> Spec:
     """Root with 1-3 checkpointable modules (each with an op list and a leaf child), maybe nested."""
     root = Spec("m", params=rng.randint(0, 2) * 32 * MiB, fw_ms=0.1)
     mods = []
@@ -132,7 +132,7 @@ def _random_spec(rng: random.Random) -> Spec:
     return root
 
 
-def _brute(tree, cands, base, C, X, budget, options):
+def brute_over_options(tree, cands, base, C, X, budget, options):
     """Cheapest (cost, min peak) over antichains × per-candidate options [(r, q)] (q in units of calls·R)."""
     best, min_peak = math.inf, math.inf
     for combo in antichains(tree, cands):
@@ -160,13 +160,13 @@ def _brute(tree, cands, base, C, X, budget, options):
 @example(seed=1690497763, u=1.0, solver="cbc")
 @example(seed=929, u=0.0, solver="cbc")  # realised recompute above the modelled objective (found after the merges)
 def test_exact_equals_brute_force_over_options(seed, u, solver):
-    tree = build_tree(_random_spec(random.Random(seed)))
+    tree = build_tree(random_option_spec(random.Random(seed)))
     cands, base, C, X = oracle(tree, None)
     assume(cands)
     full = [_pareto(_subsets(n.stats.ops, n.stats.tradeoff.max_discard_bytes, n.stats.tradeoff.full_recompute_ms))
             for n in cands]
     baseline = float(np.max(base))
-    _, min_peak = _brute(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
     assume(min_peak < baseline - 1)
     budget = int(min_peak + u * (baseline - 1 - min_peak))
     plan = solve(tree, budget, solver=solver, gap_rel=1e-9)
@@ -180,9 +180,9 @@ def test_exact_equals_brute_force_over_options(seed, u, solver):
         o = module_options(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms,
                            recompute_stop=n.stats.recompute_stop or None)
         opts.append(list(zip(o.ratio, o.frac)))
-    brute_opts, _ = _brute(tree, cands, base, C, X, budget, opts)
+    brute_opts, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
     assert plan.objective_ms == pytest.approx(brute_opts, rel=1e-7, abs=1e-9)
-    brute_all, _ = _brute(tree, cands, base, C, X, budget, full)  # every op subset of every unit
+    brute_all, _ = brute_over_options(tree, cands, base, C, X, budget, full)  # every op subset of every unit
     assert brute_all <= plan.objective_ms + 1e-9
     # with each module's whole Pareto front the MILP ranges over every plan: it *is* the brute force over all
     whole = solve(tree, budget, solver=solver, gap_rel=1e-9, max_options=None)
@@ -194,7 +194,7 @@ def test_exact_equals_brute_force_over_options(seed, u, solver):
 
 
 def test_lower_bound_errors_and_trivial_cases():
-    tree = build_tree(_random_spec(random.Random(3)))
+    tree = build_tree(random_option_spec(random.Random(3)))
     cands, base, C, X = oracle(tree, None)
     assert recompute_lower_bound(tree, int(np.max(base)) + 1) == 0.0
     with pytest.raises(InfeasibleBudgetError) as ei:
@@ -208,7 +208,7 @@ def test_linear_terms_reproduce_peaks(seed, data):
     """``peaks(y, r) == ev_base - C @ r + Y @ y`` for any 0/1 y and ratios (what the local descent relies on)."""
     from sacplan.solver.problem import SacProblem
 
-    tree = build_tree(_random_spec(random.Random(seed)))
+    tree = build_tree(random_option_spec(random.Random(seed)))
     P = SacProblem(tree, exact=True)
     assume(P.num_candidates)
     y = np.array(data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=P.num_candidates, max_size=P.num_candidates)))

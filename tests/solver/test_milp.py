@@ -192,6 +192,7 @@ def test_fsdp_units_forbid_ancestors():
 def test_cbc_and_highs_agree(n_blocks, frac, search, monkeypatch):
     if search:  # make both back-ends run their branch-and-bound
         monkeypatch.setattr(milp_mod, "prove_by_lp_branching", lambda *a, **k: None)
+        monkeypatch.setattr(milp_mod, "solve_tree_dp", lambda *a, **k: None)
     tree = llama_tree(n_blocks)
     budget = int(baseline_peak(tree) * frac)
     try:

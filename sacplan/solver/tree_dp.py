@@ -1,0 +1,400 @@
+r"""Exact tree dynamic program for the exact-mode budget problem when few events can bind.
+
+The problem (:class:`~sacplan.solver.problem.SacProblem`, exact mode): choose per candidate ``s`` either "not
+checkpointed" or one option level ``k`` (discard ratio ``ρ_{s,k}``, cost ``q_{s,k} = calls·R·frac_k`` ms), with
+no checkpointed candidate below another, so that every event fits the budget ``b`` (bytes)::
+
+    ev_base[e] - Σ_s v_{s,k(s)}[e] <= b,      v_{s,k}[e] = C[e,s]·ρ_{s,k} - Y[e,s] - surge_{s,k}·[ev_surge[e] = s]
+
+(:meth:`~sacplan.solver.problem.SacProblem.linear_terms`; ``v`` in bytes, 0 when ``s`` is not checkpointed).
+Since ``C >= 0``, an event with ``ev_base + Σ_s max(Y[e,s], 0) + max surge <= b`` holds for every decision; the
+others ("binding", ``K`` of them) are the only rows. With ``need[e] = ev_base[e] - b`` the problem is
+
+    min Σ q   s.t.   Σ_s v_s >= need   (K rows),   an antichain of the candidate forest,
+
+a multiple-choice knapsack over a tree. Its DP: the front of a candidate subtree ``T`` is the Pareto set of
+(cost ↓, contribution vector ∈ R^K ↑) over its decisions = {root at level k: (q_k, v_k)} ∪ (⊕ of its
+children's fronts), ``⊕`` the Minkowski sum (every pair summed, then pruned); the top-level candidates are
+summed the same way, and the answer is the cheapest root point meeting ``need``. Siblings with identical
+subtrees (repeated blocks) share one front, and ``m`` copies are summed by doubling (⌈log2 m⌉ + popcount sums).
+
+Exact: no bucketing. Two safe reductions per front of a subtree ``T``, with ``neg_s = min(0, min_k v_{s,k})``
+and ``pos_s = max(0, max_k v_{s,k})`` per event, ``N = Σ_all neg``, ``P = Σ_all pos``:
+
+* clamp each coordinate at ``cap_T = need - (N - Σ_{s∈T} neg_s)`` (events with ``need <= N`` hold for every
+  decision and are dropped first, so ``cap_T > Σ_T neg``, below any value of ``T``): whatever the other
+  candidates choose, they add at least ``N - Σ_T neg``, so a value ``x >= cap_T`` meets ``need`` in every
+  completion exactly as ``cap_T`` does; and ``min(x, cap_T) <= x`` makes no completion feasible that was not.
+  Clamping commutes with ``⊕``: for ``T = T1 ∪ T2`` (disjoint), a clamped ``cap_T1`` plus any (clamped or not)
+  ``x2 >= Σ_T2 neg`` is ``>= need - N + Σ_T1 neg + Σ_T2 neg >= cap_T`` (each ``neg <= 0``; a node's own options
+  are counted in ``Σ_T`` though exclusive with its children, which only lowers the cap: still safe), so clamping
+  the sum of clamped parts equals clamping the true sum.
+* drop points with ``x + (P - Σ_T pos) < need - tol`` on some event: no completion can reach ``need``.
+
+Float sums differ from :meth:`~sacplan.solver.problem.SacProblem.peaks` by far less than ``tol`` (:data:`TOL_REL`
+of the largest byte figure: ~0.1 byte at 100 GB), so
+the DP solves a relaxation (``need - tol``) exactly; its cheapest point is then checked exactly (peaks <= b,
+cost): feasible means optimal, otherwise the DP gives up (returns None) rather than trust float sums.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from sacplan.solver import limits
+from sacplan.solver.problem import SacProblem
+
+#: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
+MAX_BINDING = 4
+#: events that can exceed the budget above which the DP does not screen them for the binding ones
+MAX_SCREENED = 5_000
+#: points one front may keep before the DP gives up
+MAX_FRONT = 200_000
+#: pairs one Minkowski sum may form before the DP gives up (time and memory: summed in chunks)
+MAX_PAIRS = 20_000_000
+#: pairs summed at once (bounds the memory of one chunk: ~(K+1)·8 bytes each)
+CHUNK_PAIRS = 1_000_000
+#: most seconds :func:`~sacplan.solver.milp.solve` gives the DP (and at most a tenth of its limit)
+TREE_DP_MAX_S = 5.0
+#: float slack of the relaxation, relative to the largest byte figure summed (the exact check decides): sums of
+#: n terms err by at most ~n·2.2e-16 of it, below this for n up to thousands of candidates
+TOL_REL = 1e-12
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeDpResult:
+    """The DP's optimum: checkpoint flags ``y``, option ratios ``r`` per slot, its cost (ms, exact
+    :meth:`~sacplan.solver.problem.SacProblem.cost`), the binding events, the size of each front built (points)
+    and the seconds it took."""
+
+    y: np.ndarray
+    r: np.ndarray
+    cost_ms: float
+    binding: tuple[int, ...]
+    front_sizes: tuple[int, ...]
+    seconds: float
+
+
+class TreeDpGaveUp(Exception):
+    """Why the DP did not apply (``str(e)``): too many binding events, continuous lines, a front too large..."""
+
+
+class Front:
+    """Pareto points (cost ms, contributions bytes per binding event) of ``roots`` subtrees, with back-pointers:
+    ``recover(i, slots)`` lists the (slot, level) checkpointed by point ``i`` when the subtrees are rooted at
+    ``slots`` (identical subtrees share a front; pre-order slots are relative to the root)."""
+
+    def __init__(self, cost: np.ndarray, vec: np.ndarray, roots: int, neg: np.ndarray, pos: np.ndarray,
+                 recover: Callable[[int, list[int]], list[tuple[int, int]]]) -> None:
+        self.cost, self.vec, self.roots, self.neg, self.pos, self.recover = cost, vec, roots, neg, pos, recover
+
+
+def pareto(cost: np.ndarray, vec: np.ndarray) -> np.ndarray:
+    """Indices of the points not dominated (cost <=, every coordinate >=; of equal points the first), by cost."""
+    n, K = vec.shape
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort(tuple(-vec[:, j] for j in range(K - 1, -1, -1)) + (cost,))
+    v = vec[order]
+    if K == 1:
+        keep = np.ones(n, dtype=bool)
+        keep[1:] = v[1:, 0] > np.maximum.accumulate(v[:, 0])[:-1]
+        return order[keep]
+    if K == 2:
+        return order[pareto_2d(v)]
+    kept: list[np.ndarray] = []  # K >= 3: a plain filter, block by block against the points kept
+    for lo in range(0, n, 256):
+        cv = v[lo:lo + 256]
+        kv = v[np.concatenate(kept)] if kept else np.empty((0, K))
+        dom = (kv[:, None, :] >= cv[None, :, :]).all(-1).any(0) if len(kv) else np.zeros(len(cv), dtype=bool)
+        inner = (cv[None, :, :] >= cv[:, None, :]).all(-1)  # inner[i, j]: j dominates i
+        kept.append(np.nonzero(~(dom | np.tril(inner, -1).any(1)))[0] + lo)
+    return order[np.concatenate(kept)]
+
+
+def staircase(v: np.ndarray) -> np.ndarray:
+    """The 2-D maxima of points ``v`` (n × 2), v0 ascending (so v1 descending)."""
+    s = v[np.lexsort((-v[:, 1], -v[:, 0]))]
+    top = np.ones(len(s), dtype=bool)
+    top[1:] = s[1:, 1] > np.maximum.accumulate(s[:, 1])[:-1]
+    return s[top][::-1]
+
+
+def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Which points ``v`` some point of ``stair`` (from :func:`staircase`) dominates: the first one with
+    v0 >= theirs has the largest v1 of those."""
+    if not len(stair):
+        return np.zeros(len(v), dtype=bool)
+    i = np.minimum(np.searchsorted(stair[:, 0], v[:, 0], side="left"), len(stair) - 1)
+    return (stair[i, 0] >= v[:, 0]) & (stair[i, 1] >= v[:, 1])
+
+
+def pareto_2d(v: np.ndarray) -> np.ndarray:
+    """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
+    has both coordinates >=. Vectorised pass: each block against the staircase of every earlier block (most
+    points go); then an exact sweep over the few left with a staircase in lists."""
+    n = len(v)
+    block = 512
+    stair = np.empty((0, 2))
+    left: list[np.ndarray] = []
+    for lo in range(0, n, block):
+        cv = v[lo:lo + block]
+        left.append(np.nonzero(~dominated_by(stair, cv))[0] + lo)
+        stair = staircase(np.concatenate([stair, cv]))
+    idx = np.concatenate(left)
+    xs: list[float] = []  # the kept points' staircase: xs ascending, ys descending
+    ys: list[float] = []
+    keep = []
+    for j, a, b in zip(idx.tolist(), v[idx, 0].tolist(), v[idx, 1].tolist()):
+        i = bisect.bisect_left(xs, a)
+        if i < len(xs) and ys[i] >= b:
+            continue
+        keep.append(j)
+        k = i  # entries with x <= a and y <= b (a run ending at i, or at i + 1 when xs[i] == a) go
+        while k > 0 and ys[k - 1] <= b:
+            k -= 1
+        hi = i + 1 if i < len(xs) and xs[i] == a else i
+        del xs[k:hi], ys[k:hi]
+        xs.insert(k, a)
+        ys.insert(k, b)
+    return np.asarray(keep, dtype=np.int64)
+
+
+class TreeDp:
+    """One run of the DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
+
+    def __init__(self, problem: SacProblem, budget: float, deadline: float) -> None:
+        self.P, self.deadline, self.sizes = problem, deadline, []
+        if not problem.exact:
+            raise TreeDpGaveUp("not exact mode")
+        C, Y = problem.linear_terms()
+        surge_top = np.zeros(len(problem.ev_base))
+        for e in np.nonzero(problem.ev_surge >= 0)[0]:
+            surge_top[e] = max(problem.surge(int(problem.ev_surge[e])))
+        self.binding = np.nonzero(problem.ev_base + np.clip(Y, 0, None).sum(1) + surge_top > budget)[0]
+        K = len(self.binding)
+        if K > MAX_SCREENED:
+            raise TreeDpGaveUp(f"{K} events can exceed the budget (> {MAX_SCREENED} to screen)")
+        self.need = problem.ev_base[self.binding] - float(budget)
+        self.opts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per slot: ratios, costs ms, v (k × K)
+        for c in problem.candidates:
+            o = problem.options(c.slot)
+            if o is None:
+                if c.recompute_ms > 0:
+                    raise TreeDpGaveUp(f"candidate {c.fqn!r} has no exact options (continuous trade-off lines)")
+                ratio, q, ok = np.array([1.0]), np.array([0.0]), np.array([True])
+            else:
+                ok = np.asarray(o.ratio) >= c.min_ratio  # the MILP's r >= min_ratio·y
+                ratio = np.asarray(o.ratio, dtype=float)[ok]
+                q = (c.calls * c.recompute_ms * np.asarray(o.frac, dtype=float))[ok]
+            sg = np.zeros((len(ratio), K))
+            for j, e in enumerate(self.binding):
+                if problem.ev_surge[e] == c.slot:
+                    sg[:, j] = np.asarray(problem.surge(c.slot), dtype=float)[ok]
+            v = C[self.binding, c.slot][None, :] * ratio[:, None] - Y[self.binding, c.slot][None, :] - sg
+            self.opts.append((ratio, q, v))
+        self.reduce_events()
+        K = len(self.need)
+        self.neg = [np.minimum(0.0, v.min(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
+        self.pos = [np.maximum(0.0, v.max(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
+        self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
+        self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
+        self.children: list[list[int]] = [[] for _ in problem.candidates]
+        self.top: list[int] = []
+        for c in problem.candidates:
+            (self.top if c.parent_slot < 0 else self.children[c.parent_slot]).append(c.slot)
+        self.sig: dict[int, int] = {}
+        self.sig_ids: dict[tuple, int] = {}
+        self.memo: dict[int, Front] = {}
+        self.zero = Front(np.zeros(1), np.zeros((1, K)), 0, np.zeros(K), np.zeros(K), lambda i, slots: [])
+
+    def reduce_events(self) -> None:
+        """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <=
+        Σ_s neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and
+        every option contributes at ``e`` at least what it does at ``f`` (``Σ v[e] >= Σ v[f] >= need[f] >=
+        need[e]``). Events in order of need, so only kept ones are compared; more than :data:`MAX_BINDING` kept:
+        give up."""
+        V = np.concatenate([v for _, _, v in self.opts])
+        low = np.zeros(len(self.need))
+        for _, _, v in self.opts:
+            low += np.minimum(0.0, v.min(0)) if len(v) else 0.0
+        kept: list[int] = []
+        for e in np.argsort(-self.need, kind="stable").tolist():
+            if self.need[e] <= low[e]:  # met by every decision (and the caps below need need > Σ neg)
+                continue
+            if kept and (V[:, kept] <= V[:, e:e + 1]).all(0).any():
+                continue
+            kept.append(e)
+            if len(kept) > MAX_BINDING:
+                raise TreeDpGaveUp(f"more than {MAX_BINDING} of {len(self.need)} events can bind (not implied by others)")
+        kept.sort()
+        self.binding, self.need = self.binding[kept], self.need[kept]
+        self.opts = [(ratio, q, v[:, kept]) for ratio, q, v in self.opts]
+
+    # -- fronts -----------------------------------------------------------------------------------------
+    def signature(self, s: int) -> int:
+        """Equal ids: subtrees with equal options (bytes at the binding events, costs) and equal children."""
+        if s not in self.sig:
+            ratio, q, v = self.opts[s]
+            key = (ratio.tobytes(), q.tobytes(), v.tobytes(), tuple(sorted(self.signature(c) for c in self.children[s])))
+            self.sig[s] = self.sig_ids.setdefault(key, len(self.sig_ids))
+        return self.sig[s]
+
+    def ordered(self, slots: list[int]) -> list[int]:
+        return sorted(slots, key=lambda s: (self.signature(s), s))
+
+    def reduce(self, cost: np.ndarray, vec: np.ndarray, neg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Clamp at the cap, drop hopeless points, keep the Pareto set; returns the kept indices (vec clamped in
+        place)."""
+        np.minimum(vec, self.need - (self.N - neg), out=vec)
+        ok = np.nonzero((vec + (self.Ptot - pos) >= self.need - self.tol).all(1))[0]
+        return ok[pareto(cost[ok], vec[ok])]
+
+    def check(self, n: int) -> None:
+        self.sizes.append(n)
+        if n > MAX_FRONT:
+            raise TreeDpGaveUp(f"a front reached {n} points (> {MAX_FRONT})")
+        if time.monotonic() > self.deadline:
+            raise TreeDpGaveUp("time limit")
+
+    def add(self, a: Front, b: Front) -> Front:
+        """Minkowski sum of two fronts over disjoint subtrees, reduced."""
+        if a.roots == 0:
+            return b
+        neg, pos = a.neg + b.neg, a.pos + b.pos
+        # Only pairs that can still meet need on coordinate 0 (b sorted by it: a range of b per point of a); with
+        # one coordinate, b's front rises in cost with it, so of the pairs reaching the cap only the first counts.
+        ob = np.argsort(b.vec[:, 0], kind="stable")
+        bx = b.vec[ob, 0]
+        start = np.searchsorted(bx, self.need[0] - (self.Ptot[0] - pos[0]) - self.tol - a.vec[:, 0], side="left")
+        end = np.full(len(a.cost), len(bx))
+        if len(self.need) == 1:  # + 2: float slack at the cap
+            end = np.minimum(end, np.searchsorted(bx, self.need[0] - (self.N[0] - neg[0]) - a.vec[:, 0]) + 2)
+        counts = np.maximum(end - start, 0)
+        total = int(counts.sum())
+        if total > MAX_PAIRS:
+            raise TreeDpGaveUp(f"a sum of fronts would form {total} pairs (> {MAX_PAIRS})")
+        parts: list[tuple[np.ndarray, ...]] = [(np.zeros(0), np.zeros((0, len(self.need))), np.zeros(0, np.int64),
+                                                np.zeros(0, np.int64))]
+        csum = np.concatenate([[0], np.cumsum(counts)])
+        lo = 0
+        while lo < len(counts):  # reduce chunk by chunk (exact: a point dominated in a chunk is dominated)
+            hi = max(lo + 1, int(np.searchsorted(csum, csum[lo] + CHUNK_PAIRS, side="right")) - 1)
+            ia = np.repeat(np.arange(lo, hi), counts[lo:hi])
+            ib = ob[start[ia] + np.arange(len(ia)) - (csum[ia] - csum[lo])]
+            cost, vec = a.cost[ia] + b.cost[ib], a.vec[ia] + b.vec[ib]
+            k = self.reduce(cost, vec, neg, pos)
+            parts.append((cost[k], vec[k], ia[k], ib[k]))
+            if time.monotonic() > self.deadline:
+                raise TreeDpGaveUp("time limit")
+            lo = hi
+        cost, vec, ia, ib = (np.concatenate(x) for x in zip(*parts))
+        if len(parts) > 2:
+            k = self.reduce(cost, vec, neg, pos)
+            cost, vec, ia, ib = cost[k], vec[k], ia[k], ib[k]
+        self.check(len(cost))
+        ra = a.roots
+
+        def recover(i: int, slots: list[int]) -> list[tuple[int, int]]:
+            return a.recover(int(ia[i]), slots[:ra]) + b.recover(int(ib[i]), slots[ra:])
+
+        return Front(cost, vec, a.roots + b.roots, neg, pos, recover)
+
+    def forest(self, slots: list[int]) -> Front:
+        """The front of the subtrees rooted at ``slots`` (ordered by :meth:`ordered`), identical ones by doubling."""
+        acc = self.zero
+        i = 0
+        while i < len(slots):
+            j = i
+            while j < len(slots) and self.signature(slots[j]) == self.signature(slots[i]):
+                j += 1
+            base, m, group = self.node(slots[i]), j - i, self.zero
+            while m:
+                if m & 1:
+                    group = self.add(group, base)
+                m >>= 1
+                if m:
+                    base = self.add(base, base)
+            acc = self.add(acc, group)
+            i = j
+        return acc
+
+    def node(self, s: int) -> Front:
+        """The front of candidate ``s``'s subtree: its own options ∪ its children's forest."""
+        sig = self.signature(s)
+        if sig in self.memo:
+            return self.memo[sig]
+        kids = self.forest(self.ordered(self.children[s]))
+        ratio, q, v = self.opts[s]
+        neg, pos = kids.neg + self.neg[s], kids.pos + self.pos[s]
+        cost = np.concatenate([q, kids.cost])
+        vec = np.concatenate([v, kids.vec])
+        k = self.reduce(cost, vec, neg, pos)
+        cost, vec = cost[k], vec[k]
+        self.check(len(cost))
+        nq = len(q)
+
+        def recover(i: int, slots: list[int]) -> list[tuple[int, int]]:
+            (root,) = slots
+            j = int(k[i])
+            if j < nq:
+                return [(root, j)]
+            return kids.recover(j - nq, self.ordered(self.children[root]))
+
+        f = Front(cost, vec, 1, neg, pos, recover)
+        self.memo[sig] = f
+        return f
+
+    def solve(self) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """(y, r, DP cost ms) of the cheapest point meeting ``need - tol``; None when none does."""
+        if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
+            return np.zeros(self.P.num_candidates), np.zeros(self.P.num_candidates), 0.0
+        top = self.ordered(self.top)
+        root = self.forest(top)
+        ok = np.nonzero((root.vec >= self.need - self.tol).all(1))[0]
+        if not len(ok):
+            return None
+        i = int(ok[np.argmin(root.cost[ok])])
+        y, r = np.zeros(self.P.num_candidates), np.zeros(self.P.num_candidates)
+        for s, k in root.recover(i, top):
+            y[s], r[s] = 1.0, float(self.opts[s][0][k])
+        return y, r, float(root.cost[i])
+
+
+def solve_tree_dp(
+    problem: SacProblem, budget: float, time_limit_s: float | None = 1.0, why: list[str] | None = None
+) -> TreeDpResult | None:
+    """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the tree DP, or None when it does not
+    apply, would be too large or slow (``time_limit_s``, also bounded by the active :mod:`~sacplan.solver.limits`
+    deadline), finds no feasible point, or its point fails the exact check; the reason is appended to ``why``."""
+    t0 = time.monotonic()
+    left = limits.remaining(time_limit_s)
+    deadline = t0 + (left if left is not None else float("inf"))
+    try:
+        dp = TreeDp(problem, budget, deadline)
+        out = dp.solve()
+    except TreeDpGaveUp as e:
+        if why is not None:
+            why.append(str(e))
+        return None
+    except MemoryError:
+        if why is not None:
+            why.append("out of memory")
+        return None
+    if out is None:
+        if why is not None:
+            why.append("no point meets the budget (infeasible over these options)")
+        return None
+    y, r, dp_cost = out
+    cost = problem.cost(y, r)
+    if not problem.nesting_ok(y) or problem.peak(y, r) > budget or abs(cost - dp_cost) > 1e-9 * (1.0 + abs(cost)):
+        if why is not None:
+            why.append("the DP's point failed the exact check (within float slack of the budget)")
+        return None
+    return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
+                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0)

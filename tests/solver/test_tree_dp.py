@@ -1,0 +1,157 @@
+"""The exact tree DP (:mod:`sacplan.solver.tree_dp`) against the brute force over options, the MILP, and its
+give-up cases.
+
+* :func:`~sacplan.solver.tree_dp.pareto` equals the definition of the Pareto set (1, 2 and 3 coordinates);
+* on random small trees with exact options, the DP optimum equals the brute force of ``test_exact`` over every
+  non-nested set of units × options (and proves infeasibility where it finds nothing), and equals ``solve``'s
+  objective with the DP disabled;
+* identical blocks: merging identical subtrees gives the optimum the DP finds without merging, and ``solve``
+  returns it proven (``proved_by == "tree-dp"``);
+* it gives up (None, with a reason) on continuous trade-off lines, lines mode, too many binding events, a
+  front over its cap and a spent deadline, and ``solve`` then runs the MILP as before.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from sacplan.solver import milp as milp_mod
+from sacplan.solver import solve
+from sacplan.solver import tree_dp as dp_mod
+from sacplan.solver.milp import baseline_peak
+from sacplan.solver.ops import module_options
+from sacplan.solver.problem import SacProblem
+from sacplan.solver.tree_dp import TreeDp, TreeDpGaveUp, pareto, solve_tree_dp
+from sacplan.testing.llama_tree import llama_spec
+from sacplan.testing.synthetic import build_tree, hand_tree
+from test_exact import brute_over_options, random_option_spec
+from test_properties import oracle
+
+
+def no_dp(*args, **kwargs):
+    return None
+
+
+def test_pareto_by_hand():
+    cost = np.array([1.0, 2.0, 2.0, 3.0, 1.0, 4.0])
+    vec = np.array([[1.0, 5.0], [2.0, 2.0], [1.0, 1.0], [3.0, 3.0], [1.0, 5.0], [0.0, 9.0]])
+    # (2, [1, 1]) is dominated by (1, [1, 5]); the second (1, [1, 5]) is an equal copy of the first
+    assert sorted(pareto(cost, vec).tolist()) == [0, 1, 3, 5]
+    assert pareto(cost[:, None][:0, 0], vec[:0]).tolist() == []
+    assert sorted(pareto(cost, vec[:, :1]).tolist()) == [0, 1, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(1, 3), n=st.integers(1, 80), seed=st.integers(0, 2**31 - 1))
+def test_pareto_equals_definition(k, n, seed):
+    rng = np.random.default_rng(seed)
+    cost = rng.integers(0, 8, n).astype(float)  # small integers: many ties and equal points
+    vec = rng.integers(0, 6, (n, k)).astype(float)
+    got = set(pareto(cost, vec).tolist())
+    want = set()
+    for i in range(n):
+        dominated = any((cost[j] <= cost[i]) and (vec[j] >= vec[i]).all() and
+                        (cost[j] < cost[i] or (vec[j] > vec[i]).any() or j < i) for j in range(n) if j != i)
+        if not dominated:
+            want.add(i)
+    # of equal points the first in the sort is kept: compare the sets of values
+    assert {(cost[i], *vec[i]) for i in got} == {(cost[i], *vec[i]) for i in want}
+    assert len(got) == len({(cost[i], *vec[i]) for i in got})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(seed=st.integers(0, 2**31 - 1), u=st.floats(0.0, 1.0), with_milp=st.booleans())
+def test_dp_equals_brute_force_over_options(seed, u, with_milp):
+    tree = build_tree(random_option_spec(random.Random(seed)))
+    cands, base, C, X = oracle(tree, None)
+    assume(cands)
+    baseline = float(np.max(base))
+    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+    assume(min_peak < baseline - 1)
+    budget = int(min_peak - 1 + u * (baseline - min_peak))  # a few budgets below the minimum: infeasible
+    opts = []
+    for n in cands:
+        t = n.stats.tradeoff
+        o = module_options(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms,
+                           recompute_stop=n.stats.recompute_stop or None)
+        opts.append(list(zip(o.ratio, o.frac)))
+    brute, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
+    P = SacProblem(tree, exact=True)
+    why: list[str] = []
+    with mock.patch.object(dp_mod, "MAX_BINDING", 10**6):  # every example: the DP over all events that can bind
+        res = solve_tree_dp(P, budget, None, why)
+    event(f"{len(res.binding) if res else 0} binding events")
+    if math.isinf(brute):
+        # nothing fits; a plan within the float slack (1 byte) over the budget fails the exact check instead
+        assert res is None and why[0].startswith(("no point meets the budget", "the DP's point failed the exact"))
+        return
+    assert res is not None, why
+    assert res.cost_ms == pytest.approx(brute, rel=1e-9, abs=1e-9)
+    assert P.peak(res.y, res.r) <= budget and P.nesting_ok(res.y)
+    if with_milp:
+        with mock.patch.object(milp_mod, "solve_tree_dp", no_dp):
+            plan = solve(tree, budget, gap_rel=1e-9)
+        assert plan.meta["proved_by"] != "tree-dp"
+        assert plan.objective_ms == pytest.approx(res.cost_ms, rel=1e-7, abs=1e-9)
+
+
+@pytest.mark.parametrize("n_blocks, frac", [(2, 0.9), (2, 0.7), (4, 0.9), (8, 0.9)])
+def test_identical_blocks(n_blocks, frac, monkeypatch):
+    tree = build_tree(llama_spec(n_blocks))
+    budget = int(baseline_peak(tree) * frac)
+    P = SacProblem(tree, exact=True)
+    res = solve_tree_dp(P, budget, None)
+    assert res is not None
+    # without merging identical subtrees (every subtree its own signature): the same optimum
+    monkeypatch.setattr(TreeDp, "signature", lambda self, s: s)
+    alone = solve_tree_dp(SacProblem(tree, exact=True), budget, None)
+    assert alone is not None and alone.cost_ms == pytest.approx(res.cost_ms, rel=1e-9, abs=1e-12)
+    monkeypatch.undo()
+    plan = solve(tree, budget)
+    assert plan.status == "optimal" and plan.gap == 0.0 and plan.meta["proved_by"] == "tree-dp"
+    assert plan.objective_ms == plan.bound_ms == pytest.approx(res.cost_ms, rel=1e-12)
+    assert plan.recompute_ms == pytest.approx(plan.objective_ms, rel=1e-9)
+    assert plan.predicted_peak_bytes <= budget
+    monkeypatch.setattr(milp_mod, "solve_tree_dp", no_dp)
+    milp = solve(tree, budget, gap_rel=1e-9)
+    assert milp.objective_ms == pytest.approx(plan.objective_ms, rel=1e-7, abs=1e-9)
+
+
+def gave_up(P, budget, **kw):
+    why: list[str] = []
+    t0 = time.perf_counter()
+    assert solve_tree_dp(P, budget, why=why, **kw) is None
+    assert time.perf_counter() - t0 < 2.0
+    return why[0]
+
+
+def test_gives_up(monkeypatch):
+    lines = hand_tree()  # trade-off lines, no ops: no exact options
+    assert "continuous trade-off lines" in gave_up(SacProblem(lines, exact=True), 9 * 2**30)
+    assert gave_up(SacProblem(lines), 9 * 2**30) == "not exact mode"
+    tree = build_tree(llama_spec(2))
+    budget = int(baseline_peak(tree) * 0.7)
+    P = SacProblem(tree, exact=True)
+    monkeypatch.setattr(dp_mod, "MAX_BINDING", 1)
+    assert gave_up(P, budget).startswith("more than 1 of")
+    monkeypatch.setattr(dp_mod, "MAX_SCREENED", 2)
+    assert "to screen" in gave_up(P, budget)
+    monkeypatch.undo()
+    monkeypatch.setattr(dp_mod, "MAX_FRONT", 3)
+    assert "a front reached" in gave_up(P, budget)
+    monkeypatch.undo()
+    with pytest.raises(TreeDpGaveUp, match="time limit"):
+        TreeDp(P, budget, deadline=0.0).solve()
+    # solve runs the MILP as before, and says why the DP did not apply
+    monkeypatch.setattr(dp_mod, "MAX_BINDING", 1)
+    plan = solve(tree, budget)
+    assert plan.status == "optimal" and plan.meta["proved_by"] != "tree-dp"
+    assert plan.meta["tree_dp"].startswith("more than 1 of")
