@@ -29,7 +29,6 @@ and CBC's process start); the reference runs once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import logging
 import os
@@ -204,10 +203,8 @@ def issue14_tree(preset, overrides, batch, seq, world_size):
 def issue14(args) -> None:
     """Wall seconds of issue 14's cells (collection excluded), per solver, under ``--time-limit`` (default 60 s),
     with the tree DP (``solve``'s default) and without it (``--issue14-dp``), and whether the plans agree."""
-    from unittest import mock
-
     from sacplan.budget_sweep import sweep
-    from sacplan.solver import milp
+    from sacplan.solver import SolverOptions
 
     limit = args.time_limit or 60.0
     modes = args.issue14_dp.split(",")
@@ -225,18 +222,18 @@ def issue14(args) -> None:
             first = None
             for mode in modes:
                 t0 = time.perf_counter()
-                off = mock.patch.object(milp, "solve_tree_dp", lambda *a, **k: None) if mode == "off" else None
-                with warnings.catch_warnings(), (off or contextlib.nullcontext()):
+                opts = SolverOptions(solver=solver, time_limit_s=limit, tree_dp=mode != "off")
+                with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if what == "sweep":
-                        res = sweep(tree, points=8, solver=solver, time_limit_s=limit)
+                        res = sweep(tree, points=8, options=opts)
                         status = ",".join(sorted({r.status for r in res.rows}))
                         gap = max((r.gap for r in res.rows if r.gap == r.gap), default=0.0)
                         ms = float("nan")
                         key = [(r.budget_bytes, round(r.recompute_ms, 9), r.predicted_peak_bytes) for r in res.rows]
                         how = ""
                     else:
-                        p = solve(tree, what, solver=solver, time_limit_s=limit)
+                        p = solve(tree, what, options=opts)
                         status, gap, ms = p.status, p.gap, p.recompute_ms
                         key = (round(p.recompute_ms, 9), p.predicted_peak_bytes, p.decisions)
                         how = p.meta.get("proved_by", "")

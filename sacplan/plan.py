@@ -213,8 +213,11 @@ class Plan:
         """
         step = self.baseline_step_ms + self.recompute_ms
         gap = self.gap
+        proved_by = self.meta.get("proved_by")
+        name = "tree DP" if proved_by == "tree-dp" else self.solver
         solver = (
-            f"{self.solver}: {self.status}" + (f", gap {100 * gap:.3g}%" if math.isfinite(gap) else "")
+            f"{name}: {self.status}" + (f", gap {100 * gap:.3g}%" if math.isfinite(gap) else "")
+            + (", proved by LP bounds" if proved_by == "lp" and self.status == "optimal" else "")
             if self.solver
             else self.status
         )

@@ -284,14 +284,16 @@ def _solve(
         raise infeasible()
     # exact mode, few events that can bind: the tree DP proves the optimum in well under a second (issue 14)
     why: list[str] = []
+    t_dp = time.perf_counter()
     dp = solve_tree_dp(problem, float(budget_bytes), min(TREE_DP_MAX_S, 0.1 * (time_limit_s or math.inf)), why) \
-        if problem.exact else None
+        if problem.exact and opts.tree_dp else None
+    dp_s = time.perf_counter() - t_dp
     t_h = time.perf_counter()
     start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), opts) if dp is None else (None, None)
     heur_s = time.perf_counter() - t_h
     warm = columns_for(problem, model, idx, *start) if start is not None else None
-    build_s = time.perf_counter() - t_start
-    t_solve = time.perf_counter()
+    build_s = time.perf_counter() - t_start - dp_s  # the DP's time is solve time (below)
+    t_solve = time.perf_counter() - dp_s
     remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
     counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
     try:
@@ -319,7 +321,8 @@ def _solve(
         "lp_bound_ms": lp_bound,
         # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
         "proved_by": "tree-dp" if dp is not None else "lp" if by_lp else solver,
-        # the tree DP's figures (s, binding events, largest front), or why it did not apply (None: not tried)
+        # the tree DP's figures (s, binding events, largest front), or why it did not apply (None: not tried,
+        # i.e. lines mode or SolverOptions(tree_dp=False))
         "tree_dp": (why or [None])[0] if dp is None else
         {"s": dp.seconds, "binding_events": len(dp.binding), "max_front": max(dp.front_sizes, default=0)},
         # solutions the solver accepted within its tolerance that exceed the budget in exact bytes, cut off

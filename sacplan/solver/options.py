@@ -43,6 +43,9 @@ class SolverOptions:
         exact: choose among each module's exact op-level options (None: as ``op_level``).
         max_options: options per module in exact mode (None: each module's whole Pareto front).
         on_interrupt: Ctrl-C during the search: ``"raise"`` or ``"incumbent"`` (return the best plan so far).
+        tree_dp: in exact mode, try the exact tree DP (:mod:`sacplan.solver.tree_dp`) before the MILP: it proves
+            plans where at most a few events can bind in well under a second, and gives up quickly elsewhere.
+            False: the MILP alone (to compare, or to have the back-end prove the plan).
     """
 
     solver: str = "auto"
@@ -53,6 +56,7 @@ class SolverOptions:
     exact: bool | None = None
     max_options: int | None = 16
     on_interrupt: str = "raise"
+    tree_dp: bool = True
     #: the MILP back-end that runs (``"highs"`` or ``"cbc"``), from :attr:`solver`
     backend: str = field(init=False, repr=False, compare=False)
 
@@ -70,6 +74,8 @@ class SolverOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if not isinstance(self.tree_dp, bool):
+            raise ConfigError(f"tree_dp must be True or False, got {self.tree_dp!r}")
         if self.on_interrupt not in ON_INTERRUPT:
             raise ConfigError(f"on_interrupt must be 'raise' or 'incumbent', got {self.on_interrupt!r}")
 

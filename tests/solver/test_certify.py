@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solver import certify, every_unit, solve
 from sacplan.testing.synthetic import MiB, build_tree
-from test_exact import _pareto, _subsets, brute_over_options, random_option_spec
-from test_properties import oracle
+from oracles import brute_over_options, oracle, pareto_points, random_option_spec, subsets
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -32,7 +31,7 @@ def test_certificate_is_the_brute_force_over_every_plan(seed, u):
     full = []
     for n in cands:
         t = n.stats.tradeoff
-        full.append(_pareto(_subsets(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms)))
+        full.append(pareto_points(subsets(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms)))
     baseline = float(np.max(base))
     _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
     assume(min_peak < baseline - 1)

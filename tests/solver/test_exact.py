@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
@@ -23,8 +22,8 @@ from hypothesis import strategies as st
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solver import recompute_lower_bound, solve
 from sacplan.solver.ops import fractional_lines, module_options
-from sacplan.testing.synthetic import MiB, Spec, build_tree, ops_from_rows
-from test_properties import antichains, oracle
+from sacplan.testing.synthetic import MiB, build_tree, ops_from_rows
+from oracles import brute_over_options, oracle, pareto_points, random_option_spec, subsets
 
 # name, bytes, ms, flops[, kind]: three saved outputs with distinct ms per byte, a view, and a transient
 ROWS = [
@@ -36,35 +35,11 @@ ROWS = [
 ]
 
 
-def _subsets(ops, A, R):
-    """(r, q) of every subset of non-view ops saved within A bytes, plus the full checkpoint (1, 1)."""
-    free = [o for o in ops if not o.is_view]
-    total_ms = sum(o.runtime_ms for o in ops)
-    out = [(1.0, 1.0)]
-    for k in range(len(free) + 1):
-        for S in itertools.combinations(free, k):
-            saved = sum(o.save_cost_bytes for o in S)
-            if saved > A:
-                continue
-            out.append(((A - saved) / A, (total_ms - sum(o.runtime_ms for o in S)) / R))
-    return out
-
-
-def _pareto(points):
-    front = []
-    for r, q in sorted(points, key=lambda p: (-p[0], p[1])):
-        if not front or q < front[-1][1] - 1e-12:
-            if front and abs(r - front[-1][0]) <= 1e-15:
-                continue
-            front.append((r, q))
-    return front[::-1]
-
-
 def test_module_options_are_the_knapsack_pareto_front():
     ops = ops_from_rows(ROWS)
     A = 64 * MiB + 64 * MiB + 32 * MiB  # what autograd saves: mm, silu, mul
     R = sum(o.runtime_ms for o in ops)  # 6 ms
-    front = _pareto(_subsets(ops, A, R))
+    front = pareto_points(subsets(ops, A, R))
     # By hand: save {mm, mul} (96 MiB) -> discard 64 of 160 MiB (0.4) recomputing silu + add = 1.0 of 6 ms; ...
     assert (0.4, pytest.approx(1.0 / 6)) in [(r, q) for r, q in front]
     opts = module_options(ops, A, R, max_options=None)
@@ -92,7 +67,7 @@ def test_pareto_front_equals_brute_force(rows):
     R = sum(o.runtime_ms for o in ops)
     assume(A > 0 and R > 0)
     opts = module_options(ops, A, R, max_options=None)
-    front = _pareto(_subsets(ops, A, R))
+    front = pareto_points(subsets(ops, A, R))
     assert opts.complete
     assert len(opts.ratio) == len(front)
     assert [v for p in zip(opts.ratio, opts.frac) for v in p] == pytest.approx([v for p in front for v in p], rel=1e-9, abs=1e-12)
@@ -102,53 +77,11 @@ def test_fractional_lines_lie_below_every_subset():
     ops = ops_from_rows(ROWS)
     A, R = 160 * MiB, 6.0
     sl, ic = fractional_lines(ops, A, R)
-    for r, q in _subsets(ops, A, R):
+    for r, q in subsets(ops, A, R):
         assert max(s * r + b for s, b in zip(sl, ic)) <= q + 1e-12
     # tight at the integral vertices of the relaxation: saving nothing choosable = recompute everything
     r_none, q_none = (A - 0) / A, 1.0
     assert max(s * r_none + b for s, b in zip(sl, ic)) == pytest.approx(q_none)
-
-
-def random_option_spec(rng: random.Random) -> Spec:
-    """Root with 1-3 checkpointable modules (each with an op list and a leaf child), maybe nested."""
-    root = Spec("m", params=rng.randint(0, 2) * 32 * MiB, fw_ms=0.1)
-    mods = []
-    for k in range(rng.randint(1, 3)):
-        rows = []
-        for j in range(rng.randint(2, 4)):
-            rows.append((rng.choice(["aten.mm.default", "aten.mul.Tensor", "aten.silu.default"]),
-                         rng.randint(1, 8) * 16 * MiB, round(rng.uniform(0.05, 3.0), 3), 0))
-        if rng.random() < 0.5:
-            rows.insert(1, ("aten.view.default", 0, 0.0, 0, "view"))
-        ops = ops_from_rows(rows)
-        act = sum(o.save_cost_bytes for o in ops)
-        sp = Spec(f"c{k}", act=act, fw_ms=sum(o.runtime_ms for o in ops), ops=ops,
-                  tmp=rng.randint(0, 4) * 16 * MiB, params=rng.randint(0, 2) * 32 * MiB,
-                  repeat=rng.choice((1, 1, 2)))
-        sp.children.append(Spec(f"leaf{k}", act=rng.randint(0, 2) * 16 * MiB, fw_ms=0.0, no_tradeoff=True))
-        parent = mods[rng.randrange(len(mods))] if mods and rng.random() < 0.3 else root
-        parent.children.append(sp)
-        mods.append(sp)
-    return root
-
-
-def brute_over_options(tree, cands, base, C, X, budget, options):
-    """Cheapest (cost, min peak) over antichains × per-candidate options [(r, q)] (q in units of calls·R)."""
-    best, min_peak = math.inf, math.inf
-    for combo in antichains(tree, cands):
-        extra = X[:, list(combo)].sum(axis=1) if combo else 0.0
-        for choice in itertools.product(*[options[j] for j in combo]):
-            r = np.zeros(len(cands))
-            cost = 0.0
-            for j, (rj, qj) in zip(combo, choice):
-                r[j] = rj
-                t = cands[j].stats.tradeoff
-                cost += len(cands[j].stats.act_bytes) * t.full_recompute_ms * qj
-            peak = float(np.max(base - C @ r + extra))
-            min_peak = min(min_peak, peak)
-            if peak <= budget and cost < best:
-                best = cost
-    return best, min_peak
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -163,7 +96,7 @@ def test_exact_equals_brute_force_over_options(seed, u, solver):
     tree = build_tree(random_option_spec(random.Random(seed)))
     cands, base, C, X = oracle(tree, None)
     assume(cands)
-    full = [_pareto(_subsets(n.stats.ops, n.stats.tradeoff.max_discard_bytes, n.stats.tradeoff.full_recompute_ms))
+    full = [pareto_points(subsets(n.stats.ops, n.stats.tradeoff.max_discard_bytes, n.stats.tradeoff.full_recompute_ms))
             for n in cands]
     baseline = float(np.max(base))
     _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])

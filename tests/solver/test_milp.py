@@ -9,7 +9,7 @@ import pytest
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
-from sacplan.solver import baseline_peak, min_feasible_budget, solve
+from sacplan.solver import SolverOptions, baseline_peak, min_feasible_budget, solve
 from sacplan.solver import milp as milp_mod
 from sacplan.solver import search as search_mod
 from sacplan.solver.candidates import envelope
@@ -190,19 +190,19 @@ def test_fsdp_units_forbid_ancestors():
 @pytest.mark.parametrize("frac", [0.9, 0.7, 0.55])
 @pytest.mark.parametrize("search", [True, False], ids=["milp-search", "lp-proof-allowed"])
 def test_cbc_and_highs_agree(n_blocks, frac, search, monkeypatch):
-    if search:  # make both back-ends run their branch-and-bound
+    if search:  # make both back-ends run their branch-and-bound (no LP proof, no tree DP)
         monkeypatch.setattr(milp_mod, "prove_by_lp_branching", lambda *a, **k: None)
-        monkeypatch.setattr(milp_mod, "solve_tree_dp", lambda *a, **k: None)
+    opts = SolverOptions(gap_rel=1e-9, tree_dp=not search)
     tree = llama_tree(n_blocks)
     budget = int(baseline_peak(tree) * frac)
     try:
-        a = solve(tree, budget, solver="cbc", gap_rel=1e-9)
+        a = solve(tree, budget, options=opts.replace(solver="cbc"))
     except InfeasibleBudgetError as e:
         with pytest.raises(InfeasibleBudgetError) as e2:
             solve(tree, budget, solver="highs")
         assert e.min_feasible_bytes == e2.value.min_feasible_bytes
         return
-    b = solve(tree, budget, solver="highs", gap_rel=1e-9)
+    b = solve(tree, budget, options=opts.replace(solver="highs"))
     assert a.status == b.status == "optimal"
     assert a.objective_ms == pytest.approx(b.objective_ms, rel=1e-6, abs=1e-9)
     if search:

@@ -5,7 +5,7 @@ exact evaluation) equals ``evaluate.event_peaks`` (what validate, the alternativ
 event, both computed by :class:`sacplan.timeline.Timeline`, and so does its linear form ``linear_terms``; and
 the budget MILP's rows, at the columns
 ``columns_for`` sets for that choice, hold at a budget of exactly that peak and fail one byte below it. The
-independent brute-force oracle that re-derives every event from the stats is tests/solver/test_properties.py.
+independent brute-force oracle that re-derives every event from the stats is tests/solver/oracles.py.
 """
 
 from __future__ import annotations

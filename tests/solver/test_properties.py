@@ -1,7 +1,8 @@
 """Property test: the MILP against a brute force over checkpoint sets × discretised ratios.
 
-The oracle below re-derives every event's predicted bytes straight from the stats (the formula in
-:func:`sacplan.solver.solve`'s docstring), independently of :class:`sacplan.solver.problem.SacProblem`.
+The oracle (tests/solver/oracles.py) re-derives every event's predicted bytes straight from the stats (the
+formula in :mod:`sacplan.timeline`'s docstring), independently of :class:`sacplan.timeline.Timeline` and
+:class:`sacplan.solver.problem.SacProblem`.
 
 Discretisation bound: take the MILP optimum (y*, r*) and round every ratio *up* to the grid,
 ``r' = ceil(20·r)/20 ≤ r + 1/20``. Predicted bytes only fall as ratios grow, so (y*, r') is feasible and on
@@ -27,58 +28,9 @@ from sacplan.errors import InfeasibleBudgetError
 from sacplan.solver import milp as milp_mod
 from sacplan.solver import solve
 from sacplan.testing.synthetic import build_tree, random_spec
+from oracles import antichains, oracle
 
 GRID = 20
-
-
-def oracle(tree, world_size, with_root=False):
-    """Candidates as ``solve`` picks them (every module with discardable activations, leaves included, the
-    root only with ``with_root``), base event bytes, discard coefficients C and recompute extras X."""
-    s = tree.stats
-    keep = s.world_size / (world_size or s.world_size)
-    cands = [
-        n
-        for n in tree.nodes
-        if (with_root or n.parent is not None)
-        and n.stats.tradeoff is not None
-        and n.stats.tradeoff.max_discard_bytes > 0
-        and n.fqn in s.fw_post_order
-    ]
-    E, S = len(s.events), len(cands)
-    base = np.zeros(E)
-    C = np.zeros((E, S))
-    X = np.zeros((E, S))
-    occ_fw, occ_bw = [], []
-    seen: dict[str, int] = {}
-    for f in s.fw_post_order:
-        occ_fw.append(seen.get(f, 0))
-        seen[f] = seen.get(f, 0) + 1
-    seen = {}
-    for f in s.bw_pre_order:
-        occ_bw.append(seen.get(f, 0))
-        seen[f] = seen.get(f, 0) + 1
-    for e, ev in enumerate(s.events):
-        base[e] = ev.peak_bytes - ev.state_bytes * (1 - keep)
-        for j, n in enumerate(cands):
-            act = n.stats.act_bytes
-            if ev.phase == "fw":
-                C[e, j] = sum(act[occ_fw[p]] for p in range(ev.fw_done) if s.fw_post_order[p] == n.fqn)
-            elif ev.phase in ("bw", "rc"):
-                C[e, j] = sum(
-                    act[occ_bw[p]] for p in range(ev.bw_started, len(s.bw_pre_order)) if s.bw_pre_order[p] == n.fqn
-                )
-                if ev.phase == "rc" and ev.module == n.fqn:
-                    X[e, j] = ev.extra_bytes
-    return cands, base, C, X
-
-
-def antichains(tree, cands):
-    for k in range(0, len(cands) + 1):
-        for combo in itertools.combinations(range(len(cands)), k):
-            nodes = [cands[j] for j in combo]
-            if any(a.is_ancestor_of(b) or b.is_ancestor_of(a) for a, b in itertools.combinations(nodes, 2)):
-                continue
-            yield combo
 
 
 def cost_matrix(cands, combo, R):

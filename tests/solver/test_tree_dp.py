@@ -23,8 +23,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from sacplan.solver import milp as milp_mod
-from sacplan.solver import solve
+from sacplan.solver import SolverOptions, solve
 from sacplan.solver import tree_dp as dp_mod
 from sacplan.solver.milp import baseline_peak
 from sacplan.solver.ops import module_options
@@ -32,12 +31,7 @@ from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import TreeDp, TreeDpGaveUp, pareto, solve_tree_dp
 from sacplan.testing.llama_tree import llama_spec
 from sacplan.testing.synthetic import build_tree, hand_tree
-from test_exact import brute_over_options, random_option_spec
-from test_properties import oracle
-
-
-def no_dp(*args, **kwargs):
-    return None
+from oracles import brute_over_options, oracle, random_option_spec
 
 
 def test_pareto_by_hand():
@@ -97,9 +91,8 @@ def test_dp_equals_brute_force_over_options(seed, u, with_milp):
     assert res.cost_ms == pytest.approx(brute, rel=1e-9, abs=1e-9)
     assert P.peak(res.y, res.r) <= budget and P.nesting_ok(res.y)
     if with_milp:
-        with mock.patch.object(milp_mod, "solve_tree_dp", no_dp):
-            plan = solve(tree, budget, gap_rel=1e-9)
-        assert plan.meta["proved_by"] != "tree-dp"
+        plan = solve(tree, budget, options=SolverOptions(gap_rel=1e-9, tree_dp=False))
+        assert plan.meta["proved_by"] != "tree-dp" and plan.meta["tree_dp"] is None
         assert plan.objective_ms == pytest.approx(res.cost_ms, rel=1e-7, abs=1e-9)
 
 
@@ -120,8 +113,7 @@ def test_identical_blocks(n_blocks, frac, monkeypatch):
     assert plan.objective_ms == plan.bound_ms == pytest.approx(res.cost_ms, rel=1e-12)
     assert plan.recompute_ms == pytest.approx(plan.objective_ms, rel=1e-9)
     assert plan.predicted_peak_bytes <= budget
-    monkeypatch.setattr(milp_mod, "solve_tree_dp", no_dp)
-    milp = solve(tree, budget, gap_rel=1e-9)
+    milp = solve(tree, budget, options=SolverOptions(gap_rel=1e-9, tree_dp=False))
     assert milp.objective_ms == pytest.approx(plan.objective_ms, rel=1e-7, abs=1e-9)
 
 
