@@ -110,7 +110,7 @@ def _one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
         print(f"sacplan: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]:
+def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]:
     """Resolve model/device/budget *before* the (slow) collection, so bad arguments fail fast."""
     from sacplan.devices import get_device
     from sacplan.units import parse_budget
@@ -183,7 +183,7 @@ def _describe(knobs: dict[str, Any]) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from sacplan.solver import solve
 
-    spec, device, budget, knobs = _job(args)
+    spec, device, budget, knobs = resolve_job(args)
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
@@ -230,7 +230,7 @@ def _check_plot_path(path: str) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from sacplan.budget_sweep import sweep
 
-    spec, device, _, knobs = _job(args)
+    spec, device, _, knobs = resolve_job(args)
     if args.points < 2:
         raise _UsageError(f"--points must be at least 2, got {args.points}")
     budgets = None

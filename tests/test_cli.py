@@ -194,11 +194,11 @@ def test_help_states_the_factory_contract(capsys):
 
 
 def test_default_job_is_the_default_model_job():
-    from sacplan.cli import _job, build_parser
+    from sacplan.cli import resolve_job, build_parser
 
     parse = build_parser().parse_args
-    spec0, dev0, budget0, knobs0 = _job(parse(["plan"]))
-    spec1, dev1, budget1, knobs1 = _job(parse(["plan", "llama-1b"]))
+    spec0, dev0, budget0, knobs0 = resolve_job(parse(["plan"]))
+    spec1, dev1, budget1, knobs1 = resolve_job(parse(["plan", "llama-1b"]))
     assert (spec0.label, dev0, budget0, knobs0) == (spec1.label, dev1, budget1, knobs1)
     assert knobs0 == {"batch": 3, "seq": 8192, "dtype": "bf16"}
 

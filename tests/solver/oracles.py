@@ -126,3 +126,16 @@ def brute_over_options(tree, cands, base, C, X, budget, options):
             if peak <= budget and cost < best:
                 best = cost
     return best, min_peak
+
+
+def option_sets(cands):
+    """Per candidate, its exact options ``[(ratio, recompute fraction)]`` (module_options on its own op list)."""
+    from sacplan.solver.ops import module_options
+
+    out = []
+    for n in cands:
+        t = n.stats.tradeoff
+        o = module_options(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms,
+                           recompute_stop=n.stats.recompute_stop or None)
+        out.append(list(zip(o.ratio, o.frac)))
+    return out

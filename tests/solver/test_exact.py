@@ -23,7 +23,7 @@ from sacplan.errors import InfeasibleBudgetError
 from sacplan.solver import recompute_lower_bound, solve
 from sacplan.solver.ops import fractional_lines, module_options
 from sacplan.testing.synthetic import MiB, build_tree, ops_from_rows
-from oracles import brute_over_options, oracle, pareto_points, random_option_spec, subsets
+from oracles import brute_over_options, option_sets, oracle, pareto_points, random_option_spec, subsets
 
 # name, bytes, ms, flops[, kind]: three saved outputs with distinct ms per byte, a view, and a transient
 ROWS = [
@@ -107,12 +107,7 @@ def test_exact_equals_brute_force_over_options(seed, u, solver):
     assert plan.predicted_peak_bytes <= budget
     assert plan.recompute_ms == pytest.approx(plan.objective_ms, rel=1e-9, abs=1e-9)  # realised = modelled
     # the solver's own option sets, re-derived independently of SacProblem
-    opts = []
-    for n in cands:
-        t = n.stats.tradeoff
-        o = module_options(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms,
-                           recompute_stop=n.stats.recompute_stop or None)
-        opts.append(list(zip(o.ratio, o.frac)))
+    opts = option_sets(cands)
     brute_opts, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
     assert plan.objective_ms == pytest.approx(brute_opts, rel=1e-7, abs=1e-9)
     brute_all, _ = brute_over_options(tree, cands, base, C, X, budget, full)  # every op subset of every unit

@@ -26,12 +26,11 @@ from hypothesis import strategies as st
 from sacplan.solver import SolverOptions, solve
 from sacplan.solver import tree_dp as dp_mod
 from sacplan.solver.milp import baseline_peak
-from sacplan.solver.ops import module_options
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import TreeDp, TreeDpGaveUp, pareto, solve_tree_dp
 from sacplan.testing.llama_tree import llama_spec
 from sacplan.testing.synthetic import build_tree, hand_tree
-from oracles import brute_over_options, oracle, random_option_spec
+from oracles import brute_over_options, option_sets, oracle, random_option_spec
 
 
 def test_pareto_by_hand():
@@ -71,12 +70,7 @@ def test_dp_equals_brute_force_over_options(seed, u, with_milp):
     _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
     assume(min_peak < baseline - 1)
     budget = int(min_peak - 1 + u * (baseline - min_peak))  # a few budgets below the minimum: infeasible
-    opts = []
-    for n in cands:
-        t = n.stats.tradeoff
-        o = module_options(n.stats.ops, t.max_discard_bytes, t.full_recompute_ms,
-                           recompute_stop=n.stats.recompute_stop or None)
-        opts.append(list(zip(o.ratio, o.frac)))
+    opts = option_sets(cands)
     brute, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
     P = SacProblem(tree, exact=True)
     why: list[str] = []
