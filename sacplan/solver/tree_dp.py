@@ -50,7 +50,12 @@ from sacplan.solver import limits
 from sacplan.solver.problem import SacProblem
 
 #: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
-MAX_BINDING = 4
+MAX_BINDING = 16
+#: binding events above which the DP gets at most :data:`WIDE_MAX_S` seconds: its fronts are then small only on
+#: small models (the tiny conformance models: 5-16 events, proofs in milliseconds), so a run that would fail
+#: fails early and leaves the MILP its time
+WIDE = 4
+WIDE_MAX_S = 1.0
 #: events that can exceed the budget above which the DP does not screen them for the binding ones
 MAX_SCREENED = 5_000
 #: points one front may keep before the DP gives up
@@ -200,6 +205,8 @@ class TreeDp:
             self.opts.append((ratio, q, v))
         self.reduce_events()
         K = len(self.need)
+        if K > WIDE:
+            self.deadline = min(self.deadline, time.monotonic() + WIDE_MAX_S)
         self.neg = [np.minimum(0.0, v.min(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
         self.pos = [np.maximum(0.0, v.max(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)

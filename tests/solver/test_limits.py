@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sacplan.errors import ConfigError
-from sacplan.solver import TimeLimitWarning, baseline_peak, certify, min_feasible_budget, recompute_lower_bound, sac_milp, solve
+from sacplan.solver import SolverOptions, TimeLimitWarning, baseline_peak, certify, min_feasible_budget, recompute_lower_bound, sac_milp, solve
 from sacplan.solver import limits
 from sacplan.solver.backends import solve_model
 from sacplan.solver.front import thin_front
@@ -213,9 +213,10 @@ def test_on_interrupt_incumbent_returns_the_best_plan_so_far(monkeypatch):
     monkeypatch.setattr(milp_mod, "_solve_budget_model", interrupted)
     tree = llama_tree(8)
     budget = int(baseline_peak(tree) * 0.7)
+    opts = SolverOptions(tree_dp=False)  # the MILP's search, which Ctrl-C interrupts (the DP proves this in ms)
     with pytest.raises(KeyboardInterrupt):
-        solve(tree, budget)
-    plan = solve(tree, budget, on_interrupt="incumbent")
+        solve(tree, budget, options=opts)
+    plan = solve(tree, budget, options=opts.replace(on_interrupt="incumbent"))
     assert plan.status == "interrupted"
     assert plan.predicted_peak_bytes <= budget and plan.decisions
     assert plan.bound_ms <= plan.objective_ms and plan.gap >= 0

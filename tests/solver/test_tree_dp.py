@@ -74,7 +74,8 @@ def test_dp_equals_brute_force_over_options(seed, u, with_milp):
     brute, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
     P = SacProblem(tree, exact=True)
     why: list[str] = []
-    with mock.patch.object(dp_mod, "MAX_BINDING", 10**6):  # every example: the DP over all events that can bind
+    # every example: the DP over all events that can bind, with no time cap for many of them
+    with mock.patch.object(dp_mod, "MAX_BINDING", 10**6), mock.patch.object(dp_mod, "WIDE", 10**6):
         res = solve_tree_dp(P, budget, None, why)
     event(f"{len(res.binding) if res else 0} binding events")
     if math.isinf(brute):
@@ -136,6 +137,11 @@ def test_gives_up(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(TreeDpGaveUp, match="time limit"):
         TreeDp(P, budget, deadline=0.0).solve()
+    # more than WIDE binding events: at most WIDE_MAX_S seconds, however long the caller allows
+    monkeypatch.setattr(dp_mod, "WIDE", 0)
+    monkeypatch.setattr(dp_mod, "WIDE_MAX_S", 0.0)
+    assert gave_up(P, budget) == "time limit"
+    monkeypatch.undo()
     # solve runs the MILP as before, and says why the DP did not apply
     monkeypatch.setattr(dp_mod, "MAX_BINDING", 1)
     plan = solve(tree, budget)
