@@ -99,8 +99,18 @@ class Front:
         self.cost, self.vec, self.roots, self.neg, self.pos, self.recover = cost, vec, roots, neg, pos, recover
 
 
-def pareto(cost: np.ndarray, vec: np.ndarray) -> np.ndarray:
-    """Indices of the points not dominated (cost <=, every coordinate >=; of equal points the first), by cost."""
+def in_time(deadline: float | None) -> None:
+    """:class:`TreeDpGaveUp` once ``deadline`` (``time.monotonic()`` seconds; None: none) has passed."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise TreeDpGaveUp("time limit")
+
+
+def pareto(cost: np.ndarray, vec: np.ndarray, deadline: float | None = None) -> np.ndarray:
+    """Indices of the points not dominated (cost <=, every coordinate >=; of equal points the first), by cost.
+
+    Checks ``deadline`` (:func:`in_time`) between blocks: with 3 or more coordinates the filter is quadratic in
+    the points kept (50,000 mutually non-dominated points in 8 coordinates: ~50 s), so a front that grows too
+    large ends in :class:`TreeDpGaveUp` on time, or once it keeps more than :data:`MAX_FRONT` points."""
     n, K = vec.shape
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -111,14 +121,19 @@ def pareto(cost: np.ndarray, vec: np.ndarray) -> np.ndarray:
         keep[1:] = v[1:, 0] > np.maximum.accumulate(v[:, 0])[:-1]
         return order[keep]
     if K == 2:
-        return order[pareto_2d(v)]
+        return order[pareto_2d(v, deadline)]
     kept: list[np.ndarray] = []  # K >= 3: a plain filter, block by block against the points kept
+    n_kept = 0
     for lo in range(0, n, 256):
+        in_time(deadline)
+        if n_kept > MAX_FRONT:
+            raise TreeDpGaveUp(f"a front reached {n_kept} points (> {MAX_FRONT})")
         cv = v[lo:lo + 256]
         kv = v[np.concatenate(kept)] if kept else np.empty((0, K))
         dom = (kv[:, None, :] >= cv[None, :, :]).all(-1).any(0) if len(kv) else np.zeros(len(cv), dtype=bool)
         inner = (cv[None, :, :] >= cv[:, None, :]).all(-1)  # inner[i, j]: j dominates i
         kept.append(np.nonzero(~(dom | np.tril(inner, -1).any(1)))[0] + lo)
+        n_kept += len(kept[-1])
     return order[np.concatenate(kept)]
 
 
@@ -139,7 +154,7 @@ def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (stair[i, 0] >= v[:, 0]) & (stair[i, 1] >= v[:, 1])
 
 
-def pareto_2d(v: np.ndarray) -> np.ndarray:
+def pareto_2d(v: np.ndarray, deadline: float | None = None) -> np.ndarray:
     """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
     has both coordinates >=. Vectorised pass: each block against the staircase of every earlier block (most
     points go); then an exact sweep over the few left with a staircase in lists."""
@@ -148,6 +163,7 @@ def pareto_2d(v: np.ndarray) -> np.ndarray:
     stair = np.empty((0, 2))
     left: list[np.ndarray] = []
     for lo in range(0, n, block):
+        in_time(deadline)
         cv = v[lo:lo + block]
         left.append(np.nonzero(~dominated_by(stair, cv))[0] + lo)
         stair = staircase(np.concatenate([stair, cv]))
@@ -155,7 +171,9 @@ def pareto_2d(v: np.ndarray) -> np.ndarray:
     xs: list[float] = []  # the kept points' staircase: xs ascending, ys descending
     ys: list[float] = []
     keep = []
-    for j, a, b in zip(idx.tolist(), v[idx, 0].tolist(), v[idx, 1].tolist()):
+    for t, (j, a, b) in enumerate(zip(idx.tolist(), v[idx, 0].tolist(), v[idx, 1].tolist())):
+        if t % 4096 == 0:
+            in_time(deadline)
         i = bisect.bisect_left(xs, a)
         if i < len(xs) and ys[i] >= b:
             continue
@@ -231,7 +249,9 @@ class TreeDp:
         for _, _, v in self.opts:
             low += np.minimum(0.0, v.min(0)) if len(v) else 0.0
         kept: list[int] = []
-        for e in np.argsort(-self.need, kind="stable").tolist():
+        for t, e in enumerate(np.argsort(-self.need, kind="stable").tolist()):
+            if t % 64 == 0:
+                in_time(self.deadline)
             if self.need[e] <= low[e]:  # met by every decision (and the caps below need need > Σ neg)
                 continue
             if kept and (V[:, kept] <= V[:, e:e + 1]).all(0).any():
@@ -260,7 +280,7 @@ class TreeDp:
         place)."""
         np.minimum(vec, self.need - (self.N - neg), out=vec)
         ok = np.nonzero((vec + (self.Ptot - pos) >= self.need - self.tol).all(1))[0]
-        return ok[pareto(cost[ok], vec[ok])]
+        return ok[pareto(cost[ok], vec[ok], self.deadline)]
 
     def check(self, n: int) -> None:
         self.sizes.append(n)

@@ -147,3 +147,16 @@ def test_gives_up(monkeypatch):
     plan = solve(tree, budget)
     assert plan.status == "optimal" and plan.meta["proved_by"] != "tree-dp"
     assert plan.meta["tree_dp"].startswith("more than 1 of")
+
+
+def test_pareto_keeps_its_deadline_on_large_fronts():
+    """Mutually non-dominated points are the filter's worst case (quadratic in the points kept with 3 or more
+    coordinates: minutes for 50,000): it must end on time, not after the whole front."""
+    rng = np.random.default_rng(0)
+    for k in (2, 8):
+        v = rng.random((60_000, k))
+        v /= v.sum(1, keepdims=True)
+        t0 = time.perf_counter()
+        with pytest.raises(TreeDpGaveUp, match="time limit"):
+            pareto(rng.random(len(v)), v, deadline=time.monotonic() - 1.0)
+        assert time.perf_counter() - t0 < 2.0
