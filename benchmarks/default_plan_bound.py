@@ -45,10 +45,7 @@ def flat_model(P: SacProblem, budget: int, nesting: bool) -> tuple[MilpModel, di
         o = P.options(c.slot)
         opts.append((np.asarray(o.ratio), np.asarray(o.frac) * c.calls * c.recompute_ms) if o is not None
                     else (np.array([1.0]), np.array([c.cost(1.0)])))
-    surge = np.zeros(len(P.ev_base))
-    for e in np.nonzero(P.ev_surge >= 0)[0]:
-        surge[e] = max(P.surge(int(P.ev_surge[e])))
-    binding = np.nonzero(P.ev_base + Y.sum(1) + surge > budget)[0]
+    binding = np.nonzero(P.ev_base + Y.sum(1) + P.surge_top() > budget)[0]
     m, col = MilpModel(), {}
     for c in P.candidates:
         ids = [m.add_col(f"x{c.slot}_{k}", 0, 1, True, float(q)) for k, q in enumerate(opts[c.slot][1])]

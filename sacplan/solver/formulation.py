@@ -252,11 +252,11 @@ def _select_events(
     # events where checkpointing adds bytes (rc events, calls inside their backward): Pareto-maximal
     # (need, added bytes) per (kc, slots)
     groups: dict[tuple[int, tuple[int, ...], int], list[tuple[float, tuple[float, ...]]]] = {}
+    top = problem.surge_top()
     for i in np.nonzero(ph == RC)[0]:
         terms = problem.ev_terms[i]
         ss = int(problem.ev_surge[i])
-        top = max(problem.surge(ss)) if ss >= 0 else 0
-        if prune and need[i] + slack + sum(cf for _, cf in terms) + top <= 0:
+        if prune and need[i] + slack + sum(cf for _, cf in terms) + top[i] <= 0:
             continue
         key = (int(problem.kc_bw[problem.ev_k[i]]), tuple(sl for sl, _ in terms), ss)
         groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))

@@ -185,6 +185,16 @@ class SacProblem:
             )
         return self._surge[slot]
 
+    def surge_top(self) -> np.ndarray:
+        """Per event, the largest :meth:`surge` any option of the event's surge slot can add there (bytes; 0 at
+        events without one): what a check safe for every option adds. Memoised."""
+        if getattr(self, "_surge_top", None) is None:
+            top = np.zeros(len(self.ev_base))
+            for e in np.nonzero(self.ev_surge >= 0)[0]:
+                top[e] = max(self.surge(int(self.ev_surge[e])))
+            self._surge_top = top
+        return self._surge_top
+
     def options_complete(self) -> bool:
         """True when every candidate picks among its *whole* Pareto front of save lists (exact mode,
         ``max_options=None``, no front thinned): the MILP then ranges over every plan."""

@@ -172,8 +172,8 @@ def improve(
     C, Y = problem.linear_terms()
     if np.any(problem.ev_surge >= 0):  # each move checked against the largest surge its slot can add: safe
         Y = Y.copy()
-        for i in np.nonzero(problem.ev_surge >= 0)[0]:
-            Y[i, int(problem.ev_surge[i])] += max(problem.surge(int(problem.ev_surge[i])))
+        at = np.nonzero(problem.ev_surge >= 0)[0]
+        Y[at, problem.ev_surge[at]] += problem.surge_top()[at]
     nc = problem.num_candidates
     opts = [problem.options(s) for s in range(nc)]
     if any(o is None for o in opts) or nc == 0:

@@ -196,10 +196,7 @@ class TreeDp:
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
         C, Y = problem.linear_terms()
-        surge_top = np.zeros(len(problem.ev_base))
-        for e in np.nonzero(problem.ev_surge >= 0)[0]:
-            surge_top[e] = max(problem.surge(int(problem.ev_surge[e])))
-        self.binding = np.nonzero(problem.ev_base + np.clip(Y, 0, None).sum(1) + surge_top > budget)[0]
+        self.binding = np.nonzero(problem.ev_base + np.clip(Y, 0, None).sum(1) + problem.surge_top() > budget)[0]
         K = len(self.binding)
         if K > MAX_SCREENED:
             raise TreeDpGaveUp(f"{K} events can exceed the budget (> {MAX_SCREENED} to screen)")
@@ -225,8 +222,7 @@ class TreeDp:
         K = len(self.need)
         if K > WIDE:
             self.deadline = min(self.deadline, time.monotonic() + WIDE_MAX_S)
-        self.neg = [np.minimum(0.0, v.min(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
-        self.pos = [np.maximum(0.0, v.max(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
+        self.neg, self.pos = self.bounds()
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
         self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
         self.children: list[list[int]] = [[] for _ in problem.candidates]
@@ -238,6 +234,14 @@ class TreeDp:
         self.memo: dict[int, Front] = {}
         self.zero = Front(np.zeros(1), np.zeros((1, K)), 0, np.zeros(K), np.zeros(K), lambda i, slots: [])
 
+    def bounds(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per slot, ``neg_s = min(0, min_k v_{s,k})`` and ``pos_s = max(0, max_k v_{s,k})`` per binding event
+        (bytes; not checkpointing ``s`` contributes 0)."""
+        K = len(self.need)
+        neg = [np.minimum(0.0, v.min(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
+        pos = [np.maximum(0.0, v.max(0)) if len(v) else np.zeros(K) for _, _, v in self.opts]
+        return neg, pos
+
     def reduce_events(self) -> None:
         """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <=
         Σ_s neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and
@@ -245,9 +249,7 @@ class TreeDp:
         need[e]``). Events in order of need, so only kept ones are compared; more than :data:`MAX_BINDING` kept:
         give up."""
         V = np.concatenate([v for _, _, v in self.opts])
-        low = np.zeros(len(self.need))
-        for _, _, v in self.opts:
-            low += np.minimum(0.0, v.min(0)) if len(v) else 0.0
+        low = np.sum(self.bounds()[0], axis=0)
         kept: list[int] = []
         for t, e in enumerate(np.argsort(-self.need, kind="stable").tolist()):
             if t % 64 == 0:
@@ -286,8 +288,7 @@ class TreeDp:
         self.sizes.append(n)
         if n > MAX_FRONT:
             raise TreeDpGaveUp(f"a front reached {n} points (> {MAX_FRONT})")
-        if time.monotonic() > self.deadline:
-            raise TreeDpGaveUp("time limit")
+        in_time(self.deadline)
 
     def add(self, a: Front, b: Front) -> Front:
         """Minkowski sum of two fronts over disjoint subtrees, reduced."""
@@ -317,8 +318,7 @@ class TreeDp:
             cost, vec = a.cost[ia] + b.cost[ib], a.vec[ia] + b.vec[ib]
             k = self.reduce(cost, vec, neg, pos)
             parts.append((cost[k], vec[k], ia[k], ib[k]))
-            if time.monotonic() > self.deadline:
-                raise TreeDpGaveUp("time limit")
+            in_time(self.deadline)
             lo = hi
         cost, vec, ia, ib = (np.concatenate(x) for x in zip(*parts))
         if len(parts) > 2:
