@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _suite():
-    sys.path.insert(0, str(ROOT / "tests" / "conformance"))
+    sys.path[:0] = [str(ROOT / "tests" / "conformance"), str(ROOT)]
     import conftest  # noqa: F401  (torchvision op schemas before anything imports torchvision)
 
     spec = importlib.util.spec_from_file_location("conformance_suite", ROOT / "tests" / "conformance" / "test_conformance.py")

@@ -91,6 +91,8 @@ class StorageAccounting:
         #: storage keys freed during the recorded forward (before any backward op ran)
         self.freed_in_fw: set[int] = set()
         self.bw_seen = False
+        #: (id, key, total, per-category bytes) of a gradient accumulation whose peak waits on its input's fate
+        self.pending_accumulation: tuple[int, int, int, tuple[int, ...]] | None = None
 
     # ------------------------------------------------------------------ storage accounting --------
     def register(self, t: Any, category: int) -> None:
@@ -98,8 +100,9 @@ class StorageAccounting:
         for st in storages_of(t):
             self.add_storage(st, category)
 
-    def add_storage(self, st: torch.UntypedStorage, category: int) -> int:
-        """Track ``st`` under ``category``; returns the bytes it added (0 if it was tracked: then re-labelled)."""
+    def add_storage(self, st: torch.UntypedStorage, category: int, peak: bool = True) -> int:
+        """Track ``st`` under ``category``; returns the bytes it added (0 if it was tracked: then re-labelled).
+        ``peak=False``: leave the segment's peak to :meth:`defer_accumulation_peak`."""
         sid = id(st)
         info = self.storages.get(sid)
         if info is not None:
@@ -116,10 +119,44 @@ class StorageAccounting:
         weakref.finalize(st, self._free, sid)
         self.live[category] += nbytes
         self.total += nbytes
-        if self.total > self.seg_peak:
+        if peak and self.total > self.seg_peak:
             self.seg_peak = self.total
             self.seg_cats = tuple(self.live)
         return nbytes
+
+    # ------------------------------------------------------------------ gradient accumulation -----
+    def defer_accumulation_peak(self, old: torch.UntypedStorage) -> None:
+        """The op just recorded may be autograd's accumulation of a second gradient into a buffered one
+        (``buffer = old + new``, its outputs registered with ``peak=False``).
+
+        Outside any dispatch mode the engine adds in place (``old.add_(new)``, no new bytes) when it holds the
+        last reference to ``old`` and its storage (``can_accumulate_inplace`` in torch/csrc/autograd/
+        input_buffer.cpp); under a dispatch mode (this recorder, fake tensors) every tensor counts as a
+        subclass and it adds out of place, so the step seen here holds old, new and the sum at once where the
+        real step holds two. Which case it is shows right after: ``old`` dies before the next op exactly when
+        the buffer held its last reference. :meth:`settle_accumulation` (at the next op or segment end) counts
+        the out-of-place peak only if ``old`` is still alive.
+        """
+        info = self.storages.get(id(old))
+        if info is None:  # untracked input: nothing is known of its lifetime, count the peak now
+            self.pending_accumulation = None
+            self._raise_peak(self.total, tuple(self.live))
+        else:
+            self.pending_accumulation = (id(old), info[2], self.total, tuple(self.live))
+
+    def settle_accumulation(self) -> None:
+        """See :meth:`defer_accumulation_peak`."""
+        pending, self.pending_accumulation = self.pending_accumulation, None
+        if pending is not None:
+            sid, key, total, cats = pending
+            info = self.storages.get(sid)
+            if info is not None and info[2] == key:  # still alive: the real engine added out of place too
+                self._raise_peak(total, cats)
+
+    def _raise_peak(self, total: int, cats: tuple[int, ...]) -> None:
+        if total > self.seg_peak:
+            self.seg_peak = total
+            self.seg_cats = cats
 
     def storage_key(self, st: torch.UntypedStorage) -> int | None:
         """A key for a tracked storage that no other storage of this step shares (``None`` if untracked).
@@ -177,6 +214,7 @@ class StorageAccounting:
 
     def close_segment(self, phase: str | None = None) -> None:
         """End the current stretch of the timeline and start a new one at the current live bytes."""
+        self.settle_accumulation()
         if self.recording:
             phase = phase or self._phase()
             if self.fw_stack and phase == Phase.FW:

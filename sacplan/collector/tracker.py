@@ -20,6 +20,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch._prims_common as _prims_common
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,6 +52,8 @@ _PROFILER_OPS = frozenset(
 IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default} | _PROFILER_OPS
 
 _VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}
+#: ``TensorImpl::is_non_overlapping_and_dense`` from Python (renamed ``..._or_false`` in newer torch)
+_DENSE = getattr(_prims_common, "is_non_overlapping_and_dense_or_false", None) or _prims_common.is_non_overlapping_and_dense
 
 
 def op_kind(func: Any) -> tuple[bool, bool]:
@@ -91,6 +94,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self.settle_accumulation()
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -105,6 +109,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         if in_bw and self.recording:
             self.bw_seen = True
         category = TEMP if (in_bw or self.in_optimizer) else ACT
+        accumulated = accumulation_input(func, args, kwargs, out) if in_bw and not self.in_optimizer else None
         fresh = 0
         out_new = []
         for st in storages_of(out):
@@ -112,10 +117,12 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
             out_sids.append(sid)
             if sid not in self.storages:
                 fresh += 1
-                out_new.append(self.add_storage(st, category))
+                out_new.append(self.add_storage(st, category, peak=accumulated is None))
                 new_bytes += out_new[-1]
             else:
                 out_new.append(0)
+        if accumulated is not None:
+            self.defer_accumulation_peak(accumulated)
         out_keys = tuple(self.storages[sid][2] for sid in out_sids)
         ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
         if ws and self.total + ws > self.seg_peak:
@@ -197,6 +204,30 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         finally:
             if undo is not None:
                 undo.close()
+
+
+def accumulation_input(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.UntypedStorage | None:
+    """The storage of ``old`` if this backward op can be the engine's gradient accumulation ``old + new`` that
+    the real step runs in place (``old.add_(new)``; see ``StorageAccounting.defer_accumulation_peak``), else
+    ``None``. Mirrors the engine's ``can_accumulate_inplace``: grad mode off, a plain ``add`` of two strided
+    tensors of ``old``'s shape and dtype, ``old`` non-overlapping and dense; whether the engine held the last
+    reference is decided by ``old``'s lifetime after the op."""
+    if func is not aten.add.Tensor or torch.is_grad_enabled() or kwargs.get("alpha", 1) != 1 or len(args) != 2:
+        return None
+    old, new = args
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return None
+    if old.layout != torch.strided or new.layout != torch.strided or old.shape != new.shape or old.shape != out.shape:
+        return None
+    if old.dtype != new.dtype or old.dtype != out.dtype or not _DENSE(old):
+        return None
+    try:
+        st = old.untyped_storage()
+        if st._cdata == new.untyped_storage()._cdata:
+            return None  # the same gradient twice (``z + z``'s backward): the engine holds it twice, out of place
+        return st
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
