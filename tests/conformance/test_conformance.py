@@ -223,7 +223,12 @@ BUDGETS = ("near-min", "midway", "near-peak")
 DEFAULT_BUDGETS = ("midway",)
 
 #: Known failures, ``(model, budget or None for all, check) -> reason`` (see benchmarks/RESULTS.md "Conformance").
-XFAIL: dict[tuple[str, str | None, str], str] = {}
+XFAIL: dict[tuple[str, str | None, str], str] = {
+    **{("hf-switch", None, check): (
+        "collection (issue 24.4, engineer collectfake): Switch's router casts its classifier with Module.to() inside "
+        "forward (fake mode cannot swap the parameter) and its experts loop over nonzero() (data-dependent shapes)")
+       for check in ("peak", "flops", "grads", "remove")},
+}
 
 _INPLACE = "in-place safety rule, issue 24.1"
 #: Known failures that must keep failing until their fix lands (``xfail(strict=True)``): the save lists the
@@ -337,7 +342,16 @@ def _state(model: nn.Module) -> list[Any]:
     return [sorted((n, sorted(m.__dict__)) for n, m in model.named_modules()), cfgs]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_MODELS else []) for n in CASES])
+def _remove_params() -> list[Any]:
+    out = []
+    for name in CASES:
+        reason = XFAIL.get((name, None, "remove"))
+        marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+        out.append(pytest.param(name, marks=marks + ([pytest.mark.slow] if name in SLOW_MODELS else []), id=name))
+    return out
+
+
+@pytest.mark.parametrize("name", _remove_params())
 def test_remove_plan_restores_model(name: str) -> None:
     case = _setup(name)[0]
     torch.manual_seed(0)
