@@ -3,6 +3,8 @@
     python3 benchmarks/conformance_tiny.py                      # every model, three budgets each
     python3 benchmarks/conformance_tiny.py hf-bert tv-vit       # some
 
+The long tail of architectures (issue 24.3) is in tests/conformance/_longtail.py, part of the same registry.
+
 Per model and budget (near minimum feasible, midway, near the no-AC peak): checkpointed modules, predicted
 and measured peak (MiB), error = (measured - predicted) / measured, predicted and measured recomputed FLOPs,
 gradients bitwise. Uses the suite's own model registry (tests/conformance/test_conformance.py).

@@ -224,6 +224,8 @@ DEFAULT_BUDGETS = ("midway",)
 
 #: Known failures, ``(model, budget or None for all, check) -> reason`` (see benchmarks/RESULTS.md "Conformance").
 XFAIL: dict[tuple[str, str | None, str], str] = {
+    **{("timm-efficientnet", b, check): "in-place safety rule, issue 24.1 (not measured at this budget yet)"
+       for b in ("midway", "near-peak") for check in ("peak", "flops", "grads")},
     **{("hf-switch", None, check): (
         "collection (issue 24.4, engineer collectfake): Switch's router casts its classifier with Module.to() inside "
         "forward (fake mode cannot swap the parameter) and its experts loop over nonzero() (data-dependent shapes)")
@@ -237,6 +239,8 @@ _INPLACE = "in-place safety rule, issue 24.1"
 XFAIL_STRICT: dict[tuple[str, str | None, str], str] = {
     ("tv-mobilenet-v3", "near-min", "grads"): _INPLACE,
     ("tv-mobilenet-v3", "midway", "grads"): _INPLACE,
+    # timm's SiLU(inplace=True): the planned backward raises (a saved input modified in place), every check fails
+    **{("timm-efficientnet", "near-min", check): _INPLACE for check in ("peak", "flops", "grads")},
 }
 
 #: Models whose own step is bitwise reproducible only on one thread: their batched experts kernel splits its
