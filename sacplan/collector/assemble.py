@@ -89,7 +89,9 @@ def _merge_events(recorder: StepRecorder) -> tuple[MemoryEvent, ...]:
     events: list[MemoryEvent] = []
     for s in recorder.segments:
         state = s.cats[PARAM] + s.cats[GRAD] + s.cats[OPT]
-        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started if s.phase != Phase.FW else 0, s.peak, state, s.extra,
+        # a forward after some backward began (pipeline schedules, gradient accumulation) keeps its real position:
+        # the timeline counts such events as interleaved (sacplan.timeline)
+        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started, s.peak, state, s.extra,
                          bw_done=s.bw_done if s.phase != Phase.FW else 0)
         if events and s.phase != Phase.RC:
             last = events[-1]
