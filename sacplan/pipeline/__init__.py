@@ -7,10 +7,11 @@ the one memory model (:mod:`sacplan.timeline`), which counts the microbatches in
 
 from sacplan.pipeline.collect import PipelineRank, collect_pipeline, pipeline_loss, rank_module
 from sacplan.pipeline.measure import measure_rank
+from sacplan.pipeline.plans import PipelinePlan, load_pipeline_plan, solve_pipeline
 from sacplan.pipeline.schedule import SCHEDULES, build_schedule, rank_stages, run_schedule_step, stage_io
 from sacplan.pipeline.validate import RankReport, validate_pipeline
 
 __all__ = [
-    "PipelineRank", "RankReport", "SCHEDULES", "build_schedule", "collect_pipeline", "measure_rank", "pipeline_loss",
+    "PipelinePlan", "PipelineRank", "RankReport", "SCHEDULES", "load_pipeline_plan", "solve_pipeline", "build_schedule", "collect_pipeline", "measure_rank", "pipeline_loss",
     "rank_module", "rank_stages", "run_schedule_step", "stage_io", "validate_pipeline",
 ]

@@ -107,7 +107,8 @@ def collect_pipeline(
         device, dtype, optimizer, runtime, model_name, progress: as for :func:`sacplan.collect`.
 
     Returns:
-        One :class:`ModelStats` per rank; ``meta["pipeline"]`` says the schedule, microbatches, rank and stages.
+        One :class:`ModelStats` per rank; ``meta["pipeline"]`` says the schedule, microbatches, rank, its stages and
+        every stage module's fingerprint (what a pipeline plan checks a stage against).
         Plan rank ``r`` with ``sacplan.solve(sacplan.ModuleTree(stats[r]), budget)``.
 
     Raises:
@@ -129,7 +130,12 @@ def collect_pipeline(
     dt = parse_dtype(dtype)
     io = stage_io(fns, inputs, microbatches, dt)
     loss = pipeline_loss(loss_fn, target is not None)
-    name = model_name or type(_meta_stage(fns[0])).__name__
+    from sacplan.fingerprint import model_fingerprint
+
+    metas = [_meta_stage(f) for f in fns]
+    name = model_name or type(metas[0]).__name__
+    stage_fps = [model_fingerprint(m) for m in metas]
+    del metas
     out = []
     for r in range(num_ranks):
         held = rank_stages(r, num_ranks, n, key)
@@ -143,7 +149,7 @@ def collect_pipeline(
             )
         meta = dict(stats.meta)
         meta["pipeline"] = dict(schedule=SCHEDULES[key], microbatches=microbatches, rank=r, num_ranks=num_ranks,
-                                stages=list(held), num_stages=n)
+                                stages=list(held), num_stages=n, stage_fingerprints=stage_fps)
         out.append(dataclasses.replace(stats, meta=meta))
     return out
 

@@ -42,8 +42,9 @@ def measure_rank(
 ) -> dict[str, Any]:
     """This process's rank (``torch.distributed.get_rank()``) of the pipeline: warm-up step, then a measured one.
 
-    ``plan``: a :class:`~sacplan.plan.Plan` (or a pipeline plan, see :mod:`sacplan.pipeline.plans`) applied to the
-    rank's module before the schedule is built. Stages are built after ``torch.manual_seed(seed)`` (every rank builds
+    ``plan``: the rank's :class:`~sacplan.plan.Plan`, applied to the rank's module, or a
+    :class:`~sacplan.pipeline.plans.PipelinePlan`, applied to each of the rank's stage modules (``stage=i``), before
+    the schedule is built. Stages are built after ``torch.manual_seed(seed)`` (every rank builds
     the same way, so runs with and without a plan start from the same weights). Returns the figures of the module
     docstring (bytes) and ``where`` (phase, module of the recorder's peak).
     """
@@ -64,9 +65,12 @@ def measure_rank(
     io = stage_io(fns, inputs, microbatches)
     torch.manual_seed(seed)
     model = rank_module(fns, held)
-    if plan is not None:
-        apply_plan(model, plan)
     mods = {held[0]: model} if len(held) == 1 else {i: model.stage(i) for i in held}  # type: ignore[operator]
+    if hasattr(plan, "for_stage"):  # a pipeline plan: each stage its part, as a training script applies it
+        for i, m in mods.items():
+            apply_plan(m, plan, stage=i)
+    elif plan is not None:
+        apply_plan(model, plan)
     sched = build_schedule(mods, io, schedule=key, microbatches=microbatches,
                            loss_fn=pipeline_loss(loss_fn, target is not None), device=torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]

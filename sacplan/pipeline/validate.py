@@ -93,14 +93,16 @@ def validate_pipeline(
     ws = int(info["num_ranks"])
     if len(stats) != ws:
         raise ConfigError(f"{len(stats)} stats for a pipeline of {ws} ranks")
-    if hasattr(plans, "for_rank"):  # one pipeline plan file (sacplan.pipeline.plans): each rank's part
+    if hasattr(plans, "for_rank"):  # one pipeline plan: each rank applies it stage by stage (apply_plan(.., stage=i))
+        docs = [("pipeline", plans.to_dict())] * ws  # type: ignore[union-attr]
         plans = [plans.for_rank(r) for r in range(ws)]  # type: ignore[union-attr]
-    plans = list(plans)
+    else:
+        plans = list(plans)
+        docs = [("plan", p.to_dict()) for p in plans]
     if len(plans) != ws:
         raise ConfigError(f"{len(plans)} plans for a pipeline of {ws} ranks: pass one per rank")
-    plan_dicts = [p.to_dict() for p in plans]
     job = dict(stage_fns=list(stage_fns), inputs=inputs, schedule=info["schedule"], microbatches=int(info["microbatches"]),
-               plans=plan_dicts, loss_fn=loss_fn, target=target, seed=seed)
+               plans=docs, loss_fn=loss_fn, target=target, seed=seed)
     with tempfile.TemporaryDirectory(prefix="sacplan-pp-") as tmp:
         q = mp.get_context("spawn").SimpleQueue()
         try:
@@ -128,18 +130,24 @@ def validate_pipeline(
     return out
 
 
+def _plan_of(doc: tuple[str, dict], plan_cls: Any, pipeline_cls: Any) -> Any:
+    kind, d = doc
+    return pipeline_cls.from_dict(d) if kind == "pipeline" else plan_cls.from_dict(d)
+
+
 def _worker(rank: int, ws: int, rdzv: str, job: dict, q: Any) -> None:
     """One rank: join the gloo group, measure without and with the plan, report on ``q``."""
     import torch.distributed as dist
 
     from sacplan.pipeline.measure import measure_rank
+    from sacplan.pipeline.plans import PipelinePlan
     from sacplan.plan import Plan
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=ws)
         out: dict[str, Any] = {}
-        for name, plan in (("none", None), ("plan", Plan.from_dict(job["plans"][rank]))):
+        for name, plan in (("none", None), ("plan", _plan_of(job["plans"][rank], Plan, PipelinePlan))):
             r = measure_rank(job["stage_fns"], job["inputs"], schedule=job["schedule"], microbatches=job["microbatches"],
                              num_ranks=ws, plan=plan, loss_fn=job["loss_fn"], target=job["target"], seed=job["seed"])
             out[name] = r

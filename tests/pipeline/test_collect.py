@@ -28,8 +28,10 @@ def test_each_rank_runs_every_microbatch_in_the_schedules_order(one_f_one_b):
     """Every module call of every microbatch is one call in the rank's orders; the first stage of two under 1F1B
     starts a forward after a backward began (F0 F1 B0 F2 …), so its timeline has interleaved events."""
     for r, s in enumerate(one_f_one_b):
-        assert s.meta["pipeline"] == dict(schedule="Schedule1F1B", microbatches=M, rank=r, num_ranks=2, stages=[r],
-                                          num_stages=2)
+        info = dict(s.meta["pipeline"])
+        assert len(info.pop("stage_fingerprints")) == 2
+        assert info == dict(schedule="Schedule1F1B", microbatches=M, rank=r, num_ranks=2, stages=[r], num_stages=2)
+        assert s.meta["pipeline"]["stage_fingerprints"][r] == s.fingerprint  # a single-stage rank is its stage
         assert s.modules[0].fqn == "" and s.modules[0].calls == M
         assert s.fw_post_order.count("blocks.0") == M == s.bw_pre_order.count("blocks.0")
         assert len(set(s.modules[1].act_bytes)) == 1  # identical microbatches

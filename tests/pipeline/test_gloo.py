@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from sacplan.pipeline import collect_pipeline, validate_pipeline
-from sacplan.solver import min_feasible_budget, solve
+from sacplan.pipeline import collect_pipeline, solve_pipeline, validate_pipeline
+from sacplan.solver import min_feasible_budget
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes
 from tests.pipeline._stages import batch, stage_fns
@@ -25,12 +25,13 @@ def _prove(schedule: str, ranks: int, per_rank: int, microbatches: int, blocks: 
     n = ranks * per_rank
     fns, x = stage_fns(n, blocks=blocks), batch(2 * microbatches)
     stats = collect_pipeline(fns, x, schedule=schedule, microbatches=microbatches, num_ranks=ranks, device="cpu")
-    plans = []
+    budgets = []
     for s in stats:
-        tree = ModuleTree(s)
-        lo = min_feasible_budget(tree)
-        plans.append(solve(tree, Bytes(int(lo + 0.4 * (s.peak_bytes - lo)))))
-    reports = validate_pipeline(fns, x, stats, plans)
+        lo = min_feasible_budget(ModuleTree(s))
+        budgets.append(Bytes(int(lo + 0.4 * (s.peak_bytes - lo))))
+    pplan = solve_pipeline(stats, budgets)  # one plan file's worth: each rank applies it stage by stage
+    plans = pplan.plans
+    reports = validate_pipeline(fns, x, stats, pplan)
     failures = []
     for r, p in zip(reports, plans):
         print(f"{schedule} p={ranks} rank {r.rank} stages {r.stages}: baseline predicted {r.predicted_baseline} measured "
