@@ -184,6 +184,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sacplan.solver import solve
 
     spec, device, budget, knobs = resolve_job(args)
+    if getattr(args, "pp", None) is not None:  # one plan per pipeline stage
+        from sacplan.pipeline.cli import plan_pipeline
+
+        return plan_pipeline(args, spec, device, budget, knobs)
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
@@ -401,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--certify", action="store_true",
                    help="also solve over every plan (every module a unit, whole save-list fronts) and print the "
                         "best possible recompute and a lower bound beside this plan's")
+    from sacplan.pipeline.cli import add_pipeline_args
+
+    add_pipeline_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("sweep", help="recompute time versus budget (Pareto front)", epilog=FACTORY_CONTRACT,
