@@ -106,3 +106,15 @@ def test_a_stage_that_does_not_take_the_previous_output_is_named():
     fns = stage_fns(2, blocks=1)
     with pytest.raises(ConfigError, match="pipeline stage 1 failed on its input"):
         collect_pipeline([fns[0], lambda: torch.nn.Linear(7, 7)], batch(4 * M), microbatches=M, device="cpu")
+
+
+def test_refuses_inside_a_running_process_group(tmp_path):
+    """The fake process group must be the process's default one: inside a running job, say where to plan instead."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="before torch.distributed.init_process_group"):
+            collect_pipeline(stage_fns(2, blocks=1), batch(4 * M), microbatches=M, device="cpu")
+    finally:
+        dist.destroy_process_group()
