@@ -126,3 +126,16 @@ def split_groups(
         else:
             never.append(g)
     return always, free, never
+
+
+def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int], ...] | None:
+    """``(index, name, occurrence)`` of the ops every save list keeps, when a plain checkpoint would not keep
+    them: ``None`` unless an op reads an outside storage that is overwritten later (``tied_to`` holds ``-1``).
+
+    ``apply`` saves in-place writes into outside tensors by itself (they are found at run time), but not the
+    ops that read such a tensor before it is overwritten, so a full checkpoint of such a module must name them.
+    """
+    if not any(-1 in op.tied_to for op in ops):
+        return None
+    keep = sorted(p for g in op_groups(ops, False, stop) if g.fixed == 1 for p in g.members)
+    return tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in keep)

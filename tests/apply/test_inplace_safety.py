@@ -19,9 +19,12 @@ from torch import nn
 from sacplan.apply import apply_plan, remove_plan
 from sacplan.collector import collect
 from sacplan.devices import CPU
-from sacplan.opgroups import split_groups
+from sacplan.opgroups import forced_saves, split_groups
 from sacplan.plan import ModuleDecision, Plan
+from sacplan.solver import baseline_peak, min_feasible_budget, solve
 from sacplan.tree import ModuleTree
+from sacplan.units import Bytes
+from sacplan.validation import validate
 
 
 class ConvBnAct(nn.Module):
@@ -90,8 +93,8 @@ class Case:
 CASES = {
     "convbn-silu_": Case(lambda: nn.Sequential(ConvBnAct(nn.SiLU(inplace=True)), ConvBnAct(nn.SiLU(inplace=True))), (4, 4, 6, 6)),
     "convbn-hardswish_": Case(lambda: nn.Sequential(ConvBnAct(nn.Hardswish(inplace=True)), ConvBnAct(nn.ReLU(inplace=True))), (4, 4, 6, 6)),
-    "read-then-overwrite": Case(lambda: nn.Sequential(nn.Linear(16, 16), ReadThenOverwrite(), nn.Linear(16, 16)), (8, 16)),
-    "input-overwritten-after": Case(lambda: nn.Sequential(InputOverwrittenAfter(), nn.Linear(16, 16)), (8, 16)),
+    "read-then-overwrite": Case(lambda: nn.Sequential(ReadThenOverwrite(), ReadThenOverwrite(), nn.Linear(16, 16)), (8, 16)),
+    "input-overwritten-after": Case(lambda: nn.Sequential(InputOverwrittenAfter(), InputOverwrittenAfter(), nn.Linear(16, 16)), (8, 16)),
     "residual-inplace": Case(lambda: nn.Sequential(nn.Linear(16, 16), ResidualInplace(), ResidualInplace()), (8, 16)),
 }
 
@@ -118,7 +121,10 @@ def _one_plan(decision: ModuleDecision) -> Plan:
 
 
 def _save_lists(ops, stop):
-    """Every save list made of whole op groups (the always-saved ones plus any subset of the free ones)."""
+    """Every save list made of whole op groups (the always-saved ones plus any subset of the free ones), and
+    the full checkpoint as the solver writes it (``None`` unless some op must be named)."""
+    full = forced_saves(ops, stop)
+    yield None if full is None else [ops.index(next(o for o in ops if o.index == k[0])) for k in full]
     always, free, _ = split_groups(ops, False, stop)
     base = [p for g in always for p in g.members]
     for k in range(len(free) + 1):
@@ -138,11 +144,12 @@ def test_every_group_save_list_keeps_gradients(name: str) -> None:
         if node.parent is None or not ops or node.stats.tradeoff is None:
             continue  # not a unit the solver may choose (tested below for in-place activations alone)
         for saved in itertools.islice(_save_lists(ops, node.stats.recompute_stop), 64):
-            keys = tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in saved)
+            keys = None if saved is None else tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in saved)
             grads = _grads(case, ModuleDecision(fqn=node.fqn, saved_ops=keys))
             tried += 1
             bad = [i for i, (a, b) in enumerate(zip(reference, grads)) if not torch.equal(a, b)]
-            assert not bad, f"{node.fqn!r} saving {[ops[p].name for p in saved]}: gradients {bad} differ"
+            what = "full checkpoint" if saved is None else f"saving {[ops[p].name for p in saved]}"
+            assert not bad, f"{node.fqn!r} {what}: gradients {bad} differ"
     assert tried > 0
 
 
@@ -164,7 +171,33 @@ def test_reader_of_overwritten_storage_is_tied() -> None:
     assert ops[clone].tied_to == (silu,)
     assert ops[silu].inplace_of == names.index("aten.native_batch_norm.default")
     case = CASES["read-then-overwrite"]
-    ops = ModuleTree(collect(case.build, torch.randn(case.shape), device=CPU, optimizer=False)).node("1").stats.ops
+    ops = ModuleTree(collect(case.build, torch.randn(case.shape), device=CPU, optimizer=False)).node("0").stats.ops
     names = [o.name for o in ops]
     mul, add_ = names.index("aten.mul.Tensor"), names.index("aten.add_.Tensor")
     assert ops[mul].tied_to == (add_,)
+
+
+def test_full_checkpoint_names_the_readers_of_an_overwritten_input() -> None:
+    """``sub`` reads its input through ``x * 3``; the parent overwrites ``x`` afterwards. A plain checkpoint
+    would recompute the multiply from the overwritten ``x``: the full checkpoint must save it."""
+    case = CASES["input-overwritten-after"]
+    sub = ModuleTree(collect(case.build, torch.randn(case.shape), device=CPU, optimizer=False)).node("0.sub").stats
+    mul = next(o for o in sub.ops if o.name == "aten.mul.Tensor")
+    assert mul.tied_to == (-1,)
+    assert forced_saves(sub.ops, sub.recompute_stop) == ((mul.index, mul.name, mul.occurrence),)
+
+
+@pytest.mark.parametrize("name", ["convbn-silu_", "read-then-overwrite", "input-overwritten-after"])
+def test_solved_plans_validate(name: str) -> None:
+    """collect → solve (a tight and a midway budget) → validate on a real CPU step: bitwise, peak within 1%."""
+    case = CASES[name]
+    inputs = torch.randn((case.shape[0] * 64,) + case.shape[1:])  # activations dominate the peak
+    tree = ModuleTree(collect(case.build, inputs, device=CPU, optimizer=False))
+    lo, hi = min_feasible_budget(tree), baseline_peak(tree)
+    for frac in (0.0, 0.5):
+        plan = solve(tree, Bytes(int(lo + frac * (hi - lo))), time_limit_s=30)
+        assert plan.decisions, "the budget must need a plan"
+        rep = validate(case.build, inputs, plan, device="cpu", optimizer=False, timed_steps=0)
+        assert rep.grads_bitwise_equal, (frac, plan.decisions)
+        assert abs(rep.peak_error) <= 0.01, (frac, rep.summary())
+        assert rep.measured_recompute_flops == rep.predicted_recompute_flops
