@@ -79,11 +79,15 @@ class PipelinePlan:
         r = self.rank_of(stage)
         plan, fp = self.plans[r], self.stage_fingerprints[stage]
         if len(self.rank_stages[r]) > 1:
-            pre = f"stage{stage}."
+            root = f"stage{stage}"
+
+            def local(fqn: str) -> str | None:  # the name in the stage module ("" for the stage itself), or None
+                return "" if fqn == root else (fqn[len(root) + 1:] if fqn.startswith(root + ".") else None)
+
             plan = dataclasses.replace(
                 plan,
-                decisions=tuple(dataclasses.replace(d, fqn=d.fqn[len(pre):]) for d in plan.decisions if d.fqn.startswith(pre)),
-                per_module_peak={k[len(pre):]: v for k, v in plan.per_module_peak.items() if k.startswith(pre)},
+                decisions=tuple(dataclasses.replace(d, fqn=local(d.fqn)) for d in plan.decisions if local(d.fqn) is not None),
+                per_module_peak={local(k): v for k, v in plan.per_module_peak.items() if local(k) is not None},
                 fingerprint=fp,
                 meta={**plan.meta, "pipeline_stage": stage, "pipeline_rank": r},
             )
