@@ -420,7 +420,7 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"bare {name} is not JSON (sacplan writes 'inf'/'nan' as strings)")
 
 
-def _known_op(name: str) -> bool:
+def known_op(name: str) -> bool:
     """Whether ``name`` (e.g. ``"aten.mm.default"``) is an op overload this torch knows."""
     import torch
 
@@ -499,7 +499,7 @@ def load_plan(path: Any, model: Any = None) -> Plan:
         if name not in body:
             raise PlanError(f"plan file {str(p)!r}: field 'plan.{name}' is missing")
     try:
-        check_plan_body(body, _known_op, PLAN_SCHEMA_VERSION)
+        check_plan_body(body, known_op, PLAN_SCHEMA_VERSION)
     except PlanError as e:
         raise PlanError(f"plan file {str(p)!r}: {e}") from None
     try:

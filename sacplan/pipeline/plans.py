@@ -170,7 +170,18 @@ def pipeline_document(doc: Any, where: str) -> PipelinePlan:
         raise PlanError(f"{where}: field 'version' must be an integer >= 1, got {v!r:.60}")
     if v > PIPELINE_PLAN_FILE_VERSION:
         raise PlanError(f"{where} has version {v}, newer than this sacplan supports ({PIPELINE_PLAN_FILE_VERSION}); upgrade sacplan")
+    from sacplan.plan import PLAN_SCHEMA_VERSION, known_op
+    from sacplan.plancheck import check_plan_body
+
     try:
+        for k, rank in enumerate(doc.get("ranks") or []):  # every rank's plan is checked as a plan file's is
+            body = rank.get("plan") if isinstance(rank, dict) else None
+            if not isinstance(body, dict):
+                raise PlanError(f"field 'ranks[{k}].plan' is missing or not an object")
+            try:
+                check_plan_body(body, known_op, PLAN_SCHEMA_VERSION)
+            except PlanError as e:
+                raise PlanError(f"ranks[{k}].plan: {e}") from None
         return PipelinePlan.from_dict(doc)
     except PlanError as e:
         raise PlanError(f"{where}: {e}") from None

@@ -98,3 +98,12 @@ def test_solve_pipeline_names_the_rank_that_cannot_fit(interleaved):
         solve_pipeline(stats, [Bytes(10**9)] * 3)
     with pytest.raises(ConfigError, match="the list of stats collect_pipeline returned"):
         solve_pipeline([sacplan.collect(torch.nn.Linear(4, 4), torch.randn(2, 4), device="cpu")], Bytes(10**9))
+
+
+def test_each_ranks_plan_body_is_checked_like_a_plan_files(interleaved, tmp_path):
+    _, _, plan = interleaved
+    doc = json.loads(plan.save(tmp_path / "pp.json").read_text())
+    doc["ranks"][1]["plan"]["decisions"] = [{"fqn": "stage1", "discard_ration": 1.0}]
+    (tmp_path / "typo.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=r"ranks\[1\]\.plan: .*discard_ration"):
+        sacplan.load_plan(tmp_path / "typo.json")
