@@ -20,7 +20,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from sacplan.errors import ConfigError
 
@@ -189,7 +188,3 @@ def run_schedule_step(sched: Any, stages: Sequence[int], num_stages: int, inputs
         return sched.step(*args, **kw)
     return sched.step(**kw)
 
-
-def tensors_of(x: Any) -> list[torch.Tensor]:
-    """The tensors in a pytree."""
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
