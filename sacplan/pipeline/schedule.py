@@ -153,21 +153,18 @@ def build_schedule(
     """
     from torch.distributed.pipelining import PipelineStage
 
+    import inspect
+
     cls = schedule_class(schedule)
     n = len(io)
+    takes_grads = "output_grads" in inspect.signature(PipelineStage).parameters  # torch >= 2.10
     stages = []
     for idx in sorted(modules):
         sio = io[idx]
-        stages.append(
-            PipelineStage(
-                modules[idx], idx, n, device,
-                input_args=sio.inputs,
-                output_args=sio.outputs,
-                input_grads=tuple(t if t.requires_grad else None for t in sio.inputs),
-                output_grads=tuple(t if t.requires_grad else None for t in sio.outputs),
-                group=group,
-            )
-        )
+        grads = dict(input_grads=tuple(t if t.requires_grad else None for t in sio.inputs),
+                     output_grads=tuple(t if t.requires_grad else None for t in sio.outputs)) if takes_grads else {}
+        stages.append(PipelineStage(modules[idx], idx, n, device, input_args=sio.inputs, output_args=sio.outputs,
+                                    group=group, **grads))
     try:
         if schedule_key(schedule) in MULTI_STAGE:
             return cls(stages, microbatches, loss_fn=loss_fn)
