@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from sacplan.collector.fakekernels import UnansweredValue
+from sacplan.collector.flex import FlexOnCpuTarget
 
 #: Ops that read a tensor's value (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``).
 _READ_OPS = ("_local_scalar_dense", "is_nonzero", "item")
@@ -41,6 +42,9 @@ def failure_hint(op: Any, e: BaseException, module: nn.Module | None = None) -> 
     if "_grouped_mm" in name and "BF16" in text:
         return ("PyTorch's fake (meta) kernel of aten._grouped_mm accepts only bf16 inputs (the real CPU kernel also "
                 f"runs fp32): collect in bf16 (dtype=torch.bfloat16, what a GPU target runs), or {experts}.")
+    if isinstance(e, FlexOnCpuTarget):
+        return ("Collect for the CUDA target you train on (device='h100', 'a100-80gb'...): there FlexAttention runs "
+                "its fused kernel, whose saved output and log-sum-exp sacplan plans for.")
     if isinstance(e, UnansweredValue) and e.random:
         return ("sacplan plans one step and a random draw decides what it runs: turn the draw off while collecting "
                 "(transformers: config.layerdrop = 0.0, so every layer runs: the step with the most memory, which a plan "

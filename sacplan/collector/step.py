@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from sacplan.collector.attention import FusedAttentionMode
 from sacplan.collector.calling import Inputs, call_model
 from sacplan.collector.hf import training_without_cache, transformers_real_paths
+from sacplan.collector.flex import flex_attention_routed
 from sacplan.collector.hints import failure_hint
 from sacplan.collector.kernels import cuda_host_kernels, host_state_tensors
 from sacplan.collector.realvalues import HostFastPaths, RealValueMode
@@ -92,8 +93,10 @@ def run_step(
         # values: data-dependent questions (.item(), mask sizes) answered from the real inputs
         values = RealValueMode()
         values.bind(args, real_inputs)
-        with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, fake_mode, values, \
-                HostFastPaths(values), attention, recorder:
+        # flex: FlexAttention runs the target's fused kernel, compiled functions run eagerly (never a compile)
+        flex = flex_attention_routed(cuda_target=spec.attention == "flash")
+        with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, flex, fake_mode, \
+                values, HostFastPaths(values), attention, recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)
