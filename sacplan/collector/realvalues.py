@@ -162,6 +162,8 @@ class RealValueMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._ids: set[int] = set()  # ids ever given a recipe: a fast "certainly unknown" test per op
+        self._mutable: dict[Any, bool] = {}
         self.aliases: dict[int, list[weakref.ref]] = {}
         self.answered = 0  # questions answered from real values (for tests and the report)
 
@@ -190,6 +192,7 @@ class RealValueMode(TorchDispatchMode):
         if sid is None:
             return
         self.nodes[t] = node
+        self._ids.add(id(t))
         self.aliases.setdefault(sid, []).append(weakref.ref(t))
 
     def _drop_storage(self, t: torch.Tensor) -> None:
@@ -245,9 +248,26 @@ class RealValueMode(TorchDispatchMode):
         self._record(func, args, kwargs, out)
         return out
 
+    def _certainly_unknown(self, args: tuple) -> bool:
+        """A positional argument (or one in a list) is a fake that never had a recipe: most ops of a step, on
+        activations, are dismissed by this test without flattening their arguments."""
+        for a in args:
+            if isinstance(a, FakeTensor):
+                if id(a) not in self._ids:
+                    return True
+            elif isinstance(a, (list, tuple)):
+                if any(isinstance(x, FakeTensor) and id(x) not in self._ids for x in a):
+                    return True
+        return False
+
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        mutable = self._mutable.get(func)
+        if mutable is None:
+            mutable = self._mutable[func] = func._schema.is_mutable
+        if not mutable and self._certainly_unknown(args):
+            return
         leaves, spec = tree_flatten((args, kwargs))
-        written = _written_ids(func, args, kwargs) if func._schema.is_mutable else set()
+        written = _written_ids(func, args, kwargs) if mutable else set()
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         known = all(self.known(x) for x in tensors)
         if not known and not written:
