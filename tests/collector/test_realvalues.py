@@ -38,7 +38,7 @@ class CtcHead(nn.Module):
         return F.ctc_loss(log_probs, labels[mask], input_lengths, target_lengths)
 
 
-def _ctc_inputs(longest: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+def ctc_inputs(longest: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(1, V, (B, L), generator=g)
     lengths = [longest, 3, 5, 1]
@@ -53,7 +53,7 @@ def _ctc_op(stats):
 
 @pytest.mark.parametrize("longest", [7, 10])
 def test_ctc_head_collects_with_the_alignment_its_labels_give(longest: int) -> None:
-    stats = collect(CtcHead(), _ctc_inputs(longest), device=CPU, loss_fn=lambda out: out, optimizer=False)
+    stats = collect(CtcHead(), ctc_inputs(longest), device=CPU, loss_fn=lambda out: out, optimizer=False)
     op = _ctc_op(stats)
     # neg_log_likelihood (B,) fp32 + log_alpha (B, T, 2 * longest target + 1) fp32: by hand from the kernel
     assert op.name == "aten._ctc_loss.default"  # the int-list overload a real step runs (lengths read on the host)
@@ -66,7 +66,7 @@ def test_ctc_head_prediction_matches_its_real_cpu_step() -> None:
     from sacplan.units import Bytes
     from sacplan.validation import validate
 
-    inputs = _ctc_inputs()
+    inputs = ctc_inputs()
     tree = ModuleTree(collect(CtcHead(), inputs, device=CPU, loss_fn=lambda out: out, optimizer=False))
     plan = solve(tree, Bytes(tree.stats.peak_bytes))
     rep = validate(CtcHead, lambda: inputs, plan, loss_fn=lambda out: out, optimizer=False, device="cpu", timed_steps=1)
@@ -75,7 +75,7 @@ def test_ctc_head_prediction_matches_its_real_cpu_step() -> None:
 
 
 def test_ctc_head_collects_for_a_cuda_target() -> None:
-    stats = collect(CtcHead(), _ctc_inputs(), device="h100", loss_fn=lambda out: out, optimizer=False)
+    stats = collect(CtcHead(), ctc_inputs(), device="h100", loss_fn=lambda out: out, optimizer=False)
     assert _ctc_op(stats).out_bytes == 512 + 512 * -(-(4 * B * T * 15) // 512)  # H100 blocks of 512 bytes
 
 
@@ -148,7 +148,7 @@ def test_a_shape_that_depends_on_weights_names_module_op_and_a_remedy_for_that_o
 
     model = Wrapper()
     with pytest.raises(CollectionError) as e:
-        collect(model, _ctc_inputs(), device=CPU, loss_fn=lambda out, inputs: out, optimizer=False)
+        collect(model, ctc_inputs(), device=CPU, loss_fn=lambda out, inputs: out, optimizer=False)
     msg = str(e.value)
     assert "'head' (Wrapper.head: LabelsFromWeights)" in msg and "aten._ctc_loss.Tensor" in msg and "target_lengths" in msg
     assert "expert" not in msg and "Pass real example tensors" in msg
@@ -156,7 +156,7 @@ def test_a_shape_that_depends_on_weights_names_module_op_and_a_remedy_for_that_o
 
 def test_inputs_from_a_factory_have_no_values_and_the_error_says_to_pass_tensors() -> None:
     with pytest.raises(CollectionError) as e:
-        collect(CtcHead(), lambda: _ctc_inputs(), device=CPU, loss_fn=lambda out: out, optimizer=False)
+        collect(CtcHead(), lambda: ctc_inputs(), device=CPU, loss_fn=lambda out: out, optimizer=False)
     msg = str(e.value)
     assert "aten._local_scalar_dense" in msg and "real example" in msg and "expert" not in msg
 
