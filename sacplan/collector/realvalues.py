@@ -224,15 +224,18 @@ class RealValueMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
             v = self.value_of(args[0])
-            if v is None:
+            if v is not None:
+                self.answered += 1
+                with _disable_current_modes():
+                    return v.item()
+            try:
+                return func(*args, **kwargs)  # fake mode knows the values of its own constants (torch.tensor(2.0))
+            except DataDependentOutputException:
                 node = self.nodes.get(args[0])
                 raise UnansweredValue(
                     func, "the value of a tensor (.item(), .tolist(), bool() or int() of a tensor)",
                     RANDOM_SOURCE if node is not None and node.call.random else NO_VALUE_SOURCES,
-                )
-            self.answered += 1
-            with _disable_current_modes():
-                return v.item()
+                ) from None
         kernel = FAKE_KERNELS.get(func)
         out = kernel(self, func, args, kwargs) if kernel is not None else NotImplemented
         if out is not NotImplemented:
