@@ -22,8 +22,9 @@ them into always saved, free and never saved. The free groups are the items of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
+from sacplan.opnames import op_keys
 from sacplan.stats import OpStat
 
 
@@ -139,3 +140,15 @@ def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int]
         return None
     keep = sorted(p for g in op_groups(ops, False, stop) if g.fixed == 1 for p in g.members)
     return tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in keep)
+
+
+def named_saves(ops: Sequence[OpStat], stop: int, keys: Collection[tuple[str, int]]) -> tuple[tuple[int, str, int], ...]:
+    """``(index, name, occurrence)`` of the ops a save list of ``(family, occurrence)`` keys saves: every group
+    with a named member, whole (a group saved in part is not safe), and the ops every save list keeps;
+    groups holding a view are never saved."""
+    named = op_keys(ops)
+    keep = {p for g in op_groups(ops, False, stop) if g.fixed is None and any(named[p] in keys for p in g.members)
+            for p in g.members}
+    out = {(ops[p].index, ops[p].name, ops[p].occurrence) for p in keep}
+    out.update(forced_saves(ops, stop) or ())
+    return tuple(sorted(out))
