@@ -34,8 +34,13 @@ aten = torch.ops.aten
 
 #: What a tensor without a real value was computed from (the text errors give).
 NO_VALUE_SOURCES = (
-    "a parameter, buffer or optimizer state (sacplan never materialises weights), the output of a random op, or "
-    "an input made by a factory or a preset (only real example tensors have values)"
+    "a parameter, buffer or optimizer state, or an activation computed from them (sacplan never materialises "
+    "weights, and a value of the initial weights would not be the trained model's)"
+)
+#: The source when the step's inputs have no real values (made by a factory or a preset).
+FACTORY_SOURCE = (
+    "values sacplan does not have: the inputs were made by a factory or a preset (only real example tensors "
+    "passed to collect have values), and weights are never materialised"
 )
 
 #: The source when the value was drawn at random (or computed from a draw).
@@ -51,7 +56,7 @@ class UnansweredValue(RuntimeError):
     """
 
     def __init__(self, op: Any, what: str, source: str = NO_VALUE_SOURCES) -> None:
-        self.op = op
+        self.op, self.what = op, what
         self.random = source == RANDOM_SOURCE
         super().__init__(f"{op} needs {what}, which depends on {source}")
 

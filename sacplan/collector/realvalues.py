@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sacplan.collector.calling import as_inputs
-from sacplan.collector.fakekernels import FAKE_KERNELS, NO_VALUE_SOURCES, RANDOM_SOURCE, UnansweredValue
+from sacplan.collector.fakekernels import FACTORY_SOURCE, FAKE_KERNELS, NO_VALUE_SOURCES, RANDOM_SOURCE, UnansweredValue
 
 __all__ = ["RealValueMode", "HostFastPaths", "UnansweredValue", "NO_VALUE_SOURCES"]
 
@@ -166,6 +166,7 @@ class RealValueMode(TorchDispatchMode):
         self._mutable: dict[Any, bool] = {}
         self.aliases: dict[int, list[weakref.ref]] = {}
         self.answered = 0  # questions answered from real values (for tests and the report)
+        self.bound = 0  # input tensors with real values (0: a factory or a preset made the inputs)
 
     # ------------------------------------------------------------------ recipes -------------------
     def bind(self, fakes: Any, reals: Any) -> int:
@@ -185,6 +186,7 @@ class RealValueMode(TorchDispatchMode):
             ):
                 self._set(f, _Node(_Call(aten.alias.default, [r], tree_flatten(((r,), {}))[1], ()), 0))
                 n += 1
+        self.bound += n
         return n
 
     def _set(self, t: torch.Tensor, node: _Node) -> None:
@@ -221,7 +223,14 @@ class RealValueMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        except UnansweredValue as e:
+            if self.bound or e.random:
+                raise
+            raise UnansweredValue(e.op, e.what, FACTORY_SOURCE) from None
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func is aten._local_scalar_dense.default:
             v = self.value_of(args[0])
             if v is not None:
