@@ -2,10 +2,11 @@
 
 The step runs inside, from outside in: Hugging Face configs without a key/value cache and the library's real
 attention paths (:mod:`~sacplan.collector.hf`), a CUDA target's host kernels (:mod:`~sacplan.collector.kernels`),
-fake mode, a CUDA target's attention routing (:mod:`~sacplan.collector.attention`) and the
-:class:`~sacplan.collector.tracker.StepRecorder`. Parameter and optimizer hooks re-label gradients and optimizer
-state and mark the optimizer step on the timeline. A failing step raises :class:`~sacplan.errors.CollectionError`
-naming the module (and the aten op) that was running, with a hint on what to do.
+FlexAttention routing with compilation off (:mod:`~sacplan.collector.flex`), fake mode, the real values of the
+inputs for value-dependent reads and shapes (:mod:`~sacplan.collector.realvalues`), a CUDA target's attention
+routing (:mod:`~sacplan.collector.attention`) and the :class:`~sacplan.collector.tracker.StepRecorder`. Parameter
+and optimizer hooks re-label gradients and optimizer state and mark the optimizer step on the timeline. A failing step raises :class:`~sacplan.errors.CollectionError`
+naming the module (and the aten op) that was running, with a remedy for that op (:mod:`~sacplan.collector.hints`).
 """
 
 from __future__ import annotations
