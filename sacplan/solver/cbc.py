@@ -59,6 +59,9 @@ def _parse_cbc_log(text: str) -> dict[str, Any]:
         out["exit_gap_abs"] = float(m[-1])
     if re.search(r"Search completed - best objective", text):
         out["search_completed"] = True
+    m = re.search(r"^Enumerated nodes:\s+(\d+)", text, re.M)
+    if m:
+        out["nodes"] = int(m.group(1))
     return out
 
 
@@ -108,6 +111,8 @@ def solve_cbc(
         f"primalTolerance {feas_tol:g}",
         f"integerTolerance {max(feas_tol, 1e-9):g}",
     ]
+    if run.node_limit is not None:
+        options.append(f"maxNodes {max(1, int(run.node_limit))}")  # counted: the same stop on every run
     options += list(extra_options)
     with tempfile.TemporaryDirectory(prefix="sacplan_cbc_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
@@ -177,7 +182,7 @@ def solve_cbc(
     elif "infeasible" in result.lower() or prob.status == pulp.LpStatusInfeasible:
         status, bound, objective = INFEASIBLE, INF, INF
         x = None
-    elif result.startswith("Stopped on time") or "time" in result.lower():
+    elif result.startswith("Stopped on time") or "time" in result.lower() or "node" in result.lower():
         status = TIME_LIMIT
         bound = info.get("bound", info.get("best_possible", -INF))
         if x is not None:
@@ -189,4 +194,7 @@ def solve_cbc(
     if x is None and status == TIME_LIMIT:
         objective = INF
     gap = relative_gap(objective, bound) if x is not None else INF
-    return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log)
+    low = result.lower()
+    stopped_by = limits.WORK_LIMIT if "node" in low else limits.WALL_CLOCK if "time" in low else ""
+    return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log,
+                       nodes=int(info.get("nodes", 0)), stopped_by=stopped_by)

@@ -29,7 +29,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
-from sacplan.solver.limits import DEFAULT_SOLVE_S, deadline
+from sacplan.solver import limits
+from sacplan.solver.limits import DEFAULT_SOLVE_S
 from sacplan.solver.backends import solve_model
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.lp_proof import prove_by_lp_branching
@@ -104,7 +105,7 @@ def sac_milp(
             round(plan.recompute_ms, 2),
             int(plan.predicted_peak_bytes),
         )
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, opts)
 
 

@@ -78,6 +78,8 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
     h.setOptionValue("mip_feasibility_tolerance", max(feas_tol, 1e-10))
     if time_limit_s is not None:
         h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+    if run.node_limit is not None:
+        h.setOptionValue("mip_max_nodes", max(1, int(run.node_limit)))
     for k, v in (highs_options or {}).items():
         h.setOptionValue(k, v)
     inf = highspy.kHighsInf
@@ -138,7 +140,8 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
         bound = min(bound, objective)
     elif ms == highspy.HighsModelStatus.kInfeasible:
         status, x, objective, bound = INFEASIBLE, None, INF, INF
-    elif ms in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt):
+    elif ms in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt,
+                highspy.HighsModelStatus.kSolutionLimit, highspy.HighsModelStatus.kIterationLimit):
         status = TIME_LIMIT
         bound = float(info.mip_dual_bound) if mip else -INF
         if x is not None:
@@ -146,7 +149,13 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
     else:
         status, bound = (TIME_LIMIT if x is not None else ERROR), (float(info.mip_dual_bound) if mip else -INF)
     gap = relative_gap(objective, bound) if x is not None else INF
-    res = SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw)
+    stopped_by = ""
+    if ms in (highspy.HighsModelStatus.kSolutionLimit, highspy.HighsModelStatus.kIterationLimit):
+        stopped_by = limits.WORK_LIMIT  # mip_max_nodes: counted, the same on every run
+    elif ms == highspy.HighsModelStatus.kTimeLimit:
+        stopped_by = limits.WALL_CLOCK
+    nodes = int(info.mip_node_count) if mip and int(info.mip_node_count) > 0 else 0
+    res = SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw, nodes=nodes, stopped_by=stopped_by)
     if interrupted:
         raise limits.SolveInterrupted(res)
     return res
@@ -174,8 +183,8 @@ def branch_on_priorities(
     if best == INF:
         best_x = None
     leaf_bounds: list[float] = []
-    status_time = False
-    nodes = 0
+    stop = [""]  # what cut the search short: "" or limits.WORK_LIMIT / limits.WALL_CLOCK
+    nodes = 0  # LPs solved here plus the leaf MILPs' nodes: the work charged (deterministic)
     # entries: (lower bounds, upper bounds, LP bound of the parent node)
     stack: list[tuple[dict[int, float], dict[int, float], float]] = [({}, {}, -INF)]
     hopts = dict(highs_options or {})
@@ -185,27 +194,43 @@ def branch_on_priorities(
         end = limits.remaining()
         return own if end is None else (end if own is None else min(own, end))
 
+    def nodes_left() -> int | None:
+        return None if run.node_limit is None else max(0, run.node_limit - nodes)
+
+    def out_of_work() -> bool:
+        """The node budget is spent (deterministic) or the wall clock ran out (safety net): record which."""
+        n, rem = nodes_left(), left()
+        if n is not None and n <= 0:
+            stop[0] = stop[0] or limits.WORK_LIMIT
+            return True
+        if (rem is not None and rem <= 0) or limits.expired():
+            stop[0] = limits.WALL_CLOCK
+            return True
+        return False
+
     def summary() -> SolveResult:
         solve_s = time.perf_counter() - t0
         if best_x is None:
-            if status_time:
-                return SolveResult(TIME_LIMIT, None, INF, -INF, INF, solve_s, "highs", "time limit")
-            return SolveResult(INFEASIBLE, None, INF, INF, INF, solve_s, "highs", "Infeasible")
+            if stop[0]:
+                return SolveResult(TIME_LIMIT, None, INF, -INF, INF, solve_s, "highs", stop[0], nodes=nodes,
+                                   stopped_by=stop[0])
+            return SolveResult(INFEASIBLE, None, INF, INF, INF, solve_s, "highs", "Infeasible", nodes=nodes)
         bound = min([best] + leaf_bounds + [b for _, _, b in stack])
         gap = relative_gap(best, bound)
-        status = TIME_LIMIT if status_time and gap > gap_rel else OPTIMAL
-        return SolveResult(status, best_x, best, bound, gap, solve_s, "highs", f"{status} ({nodes} count nodes)")
+        cut = bool(stop[0]) and gap > gap_rel
+        status = TIME_LIMIT if cut else OPTIMAL
+        return SolveResult(status, best_x, best, bound, gap, solve_s, "highs", f"{status} ({nodes} count nodes)",
+                           nodes=nodes, stopped_by=stop[0] if cut else "")
 
     def prune_at(v: float) -> bool:
         return best < INF and v >= best - max(gap_abs, gap_rel * abs(best))
 
     while stack:
         lb, ub, parent_bound = stack.pop()
-        rem = left()
-        if nodes > 0 and ((rem is not None and rem <= 0) or limits.expired()):
-            status_time = True
+        if nodes > 0 and out_of_work():
             leaf_bounds.append(parent_bound)
             continue
+        rem = left()
         sub = with_bounds(model, lb, ub)
         relax = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in sub.__dict__.items()})
         relax.col_int = [False] * relax.num_cols
@@ -213,14 +238,15 @@ def branch_on_priorities(
             lp = solve_highs(relax, RunSettings(rem, 0.0, 0.0, threads, None, feas_tol))
         except limits.SolveInterrupted:
             stack.append((lb, ub, parent_bound))
-            status_time = True
+            stop[0] = limits.WALL_CLOCK
             raise limits.SolveInterrupted(summary()) from None
         nodes += 1
         if lp.status == INFEASIBLE:
             continue
         if lp.x is None:
             leaf_bounds.append(parent_bound)
-            status_time = status_time or lp.status == TIME_LIMIT
+            if lp.status == TIME_LIMIT:
+                stop[0] = limits.WALL_CLOCK
             continue
         if prune_at(lp.objective):
             leaf_bounds.append(lp.objective)
@@ -242,14 +268,16 @@ def branch_on_priorities(
             opts["objective_bound"] = best + max(gap_abs, 1e-9 * abs(best))
         try:
             with limits.within(best, min([best] + leaf_bounds + [b for _, _, b in stack])):
-                res = solve_highs(sub, dataclasses.replace(run, time_limit_s=left(), warm_start=ws), opts)
+                res = solve_highs(sub, dataclasses.replace(run, time_limit_s=left(), warm_start=ws,
+                                                           node_limit=nodes_left()), opts)
         except limits.SolveInterrupted as e:
             leaf = e.result
             if leaf is not None and leaf.x is not None and leaf.objective < best:
                 best, best_x = leaf.objective, leaf.x
             leaf_bounds.append(lp.objective if leaf is None or not math.isfinite(leaf.bound) else max(lp.objective, min(leaf.bound, best)))
-            status_time = True
+            stop[0] = limits.WALL_CLOCK
             raise limits.SolveInterrupted(summary()) from None
+        nodes += res.nodes
         if res.status == INFEASIBLE:
             # nothing better than the cutoff (or truly infeasible) in this leaf
             leaf_bounds.append(best if best < INF else INF)
@@ -257,7 +285,8 @@ def branch_on_priorities(
         if res.x is not None and res.objective < best:
             best, best_x = res.objective, res.x
         leaf_bounds.append(max(lp.objective, res.bound) if res.x is not None or res.status == OPTIMAL else lp.objective)
-        status_time = status_time or res.status == TIME_LIMIT
+        if res.stopped_by and stop[0] != limits.WALL_CLOCK:
+            stop[0] = res.stopped_by
         if best_x is not None:
             limits.report(best, min([best] + leaf_bounds + [b for _, _, b in stack]),
                           relative_gap(best, min([best] + leaf_bounds + [b for _, _, b in stack])))

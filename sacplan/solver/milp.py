@@ -36,7 +36,6 @@ from sacplan.solver.lp_proof import prove_by_lp_branching
 from sacplan.solver.limits import (
     DEFAULT_SOLVE_S,
     SolveInterrupted,
-    deadline,
     lifted,
     time_limit_message,
 )
@@ -54,7 +53,7 @@ from sacplan.solver.model import (
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import per_module_peak, realise
 from sacplan.solver.search import heuristic, repair, solve_min_peak
-from sacplan.solver.tree_dp import TREE_DP_MAX_S, solve_tree_dp
+from sacplan.solver.tree_dp import solve_tree_dp
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes, parse_budget
 
@@ -90,7 +89,7 @@ def min_feasible_budget(
     as :class:`~sacplan.solver.options.SolverOptions`, or all settings as ``options`` (this call reads those
     three)."""
     opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         problem = SacProblem(tree, world_size, ac_units, fsdp_units)
         return Bytes(solve_min_peak(problem, opts)[0])
 
@@ -123,7 +122,7 @@ def recompute_lower_bound(
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
     """
     opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _recompute_lower_bound(tree, budget, world_size, ac_units, fsdp_units, opts)
 
 
@@ -224,7 +223,7 @@ def solve(
         solver=solver, time_limit_s=time_limit_s, gap_rel=gap_rel, op_level=op_level, threads=threads, exact=exact,
         max_options=max_options, on_interrupt=on_interrupt,
     ))
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _solve(tree, budget, world_size, ac_units, fsdp_units, opts)
 
 
@@ -285,8 +284,7 @@ def _solve(
     # exact mode, few events that can bind: the tree DP proves the optimum in well under a second (issue 14)
     why: list[str] = []
     t_dp = time.perf_counter()
-    dp = solve_tree_dp(problem, float(budget_bytes), min(TREE_DP_MAX_S, 0.1 * (time_limit_s or math.inf)), why) \
-        if problem.exact and opts.tree_dp else None
+    dp = solve_tree_dp(problem, float(budget_bytes), why=why) if problem.exact and opts.tree_dp else None
     dp_s = time.perf_counter() - t_dp
     t_h = time.perf_counter()
     start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), opts) if dp is None else (None, None)
@@ -294,7 +292,6 @@ def _solve(
     warm = columns_for(problem, model, idx, *start) if start is not None else None
     build_s = time.perf_counter() - t_start - dp_s  # the DP's time is solve time (below)
     t_solve = time.perf_counter() - dp_s
-    remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
     counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
     try:
         if dp is not None:
@@ -302,7 +299,7 @@ def _solve(
             res, cuts, by_lp = SolveResult(OPTIMAL, x, dp.cost_ms, dp.cost_ms, 0.0, dp.seconds, solver, "tree-dp"), 0, False
         else:
             res, cuts, by_lp = _solve_budget_model(
-                problem, model, idx, warm, counts, float(budget_bytes), opts, lp_bound, remaining
+                problem, model, idx, warm, counts, float(budget_bytes), opts, lp_bound
             )
     except SolveInterrupted as e:
         if opts.on_interrupt != "incumbent":
@@ -315,16 +312,17 @@ def _solve(
         "model": model.stats(),
         "events": len(problem.ev_base),
         "events_kept": idx.kept_events,
-        "heuristic_s": heur_s,
         "heuristic_ms": None if start is None else problem.cost(*start),
         "raw_status": res.raw_status,
         "lp_bound_ms": lp_bound,
+        # wall seconds of the parts (the only figures of a plan that differ from run to run)
+        "timing_s": {"tree_dp": dp_s, "heuristic": heur_s},
         # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
         "proved_by": "tree-dp" if dp is not None else "lp" if by_lp else solver,
         # the tree DP's figures (s, binding events, largest front), or why it did not apply (None: not tried,
         # i.e. lines mode or SolverOptions(tree_dp=False))
         "tree_dp": (why or [None])[0] if dp is None else
-        {"s": dp.seconds, "binding_events": len(dp.binding), "max_front": max(dp.front_sizes, default=0)},
+        {"binding_events": len(dp.binding), "max_front": max(dp.front_sizes, default=0)},
         # solutions the solver accepted within its tolerance that exceed the budget in exact bytes, cut off
         "tolerance_cuts": cuts,
         "op_level": op_level,
@@ -345,8 +343,9 @@ def _solve(
             min_feasible = mf
         elif res.status == TIME_LIMIT:
             raise SolverError(
-                f"{solver} hit the time limit ({time_limit_s} s) before finding any plan; raise time_limit_s "
-                "(CLI: --time-limit)"
+                f"{solver} stopped ({', '.join(f'{w}: {p}' for w, p in limits.stops()) or 'time limit'}) before "
+                f"finding any plan (time limit {time_limit_s} s, work limit {opts.work_limit} nodes); raise "
+                "time_limit_s (CLI: --time-limit) or work_limit"
             )
         else:
             raise SolverError(f"{solver} failed on the SAC MILP: {res.raw_status}")
@@ -388,8 +387,19 @@ def _solve(
     predicted = int(math.ceil(float(np.max(m)) - 1e-6))
     if predicted > budget_bytes:  # pragma: no cover - realised discards only ever grow
         raise SolverError(f"internal error: realised plan peaks at {predicted} > budget {budget_bytes}")
+    stops = limits.stops()
+    # what cut the search short: "work limit: <part>" (deterministic) or "wall clock: <part>" (the safety net:
+    # this plan depends on the machine's speed and load)
+    meta["stopped_by"] = [f"{what}: {where}" for what, where in stops]
+    meta["work_limit_nodes"] = opts.work_limit
+    meta["work_nodes"] = limits.nodes_spent()  # branch-and-bound nodes this call explored (the same on every run)
     if status == TIME_LIMIT:
-        warnings.warn(time_limit_message(time_limit_s, objective, bound, gap), TimeLimitWarning, stacklevel=3)
+        warnings.warn(time_limit_message(time_limit_s, objective, bound, gap, stops, opts.work_limit),
+                      TimeLimitWarning, stacklevel=3)
+    elif any(what == limits.WALL_CLOCK for what, _ in stops):
+        warnings.warn("the wall-clock time limit cut part of the search short (" + ", ".join(meta["stopped_by"])
+                      + "): this plan may differ on a faster or less loaded machine and between ranks; raise "
+                      "time_limit_s", TimeLimitWarning, stacklevel=3)
     return Plan(
         decisions=tuple(decisions),
         predicted_peak_bytes=predicted,
@@ -421,7 +431,6 @@ def _solve_budget_model(
     budget: float,
     opts: SolverOptions,
     lp_bound: float | None,
-    time_limit_s: float | None,
 ) -> tuple[SolveResult, int, bool]:
     """Solve the budget MILP; in exact mode, also to exactness in bytes.
 
@@ -440,9 +449,7 @@ def _solve_budget_model(
     solver, gap_rel = opts.backend, opts.gap_rel
     binaries = (idx.y + [j for cols in idx.w.values() for j in cols]) if problem.exact else []
     cuts = 0
-    t0 = time.perf_counter()
     while True:
-        remaining = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - t0))
         proven = prove_by_lp_branching(
             model, warm, counts, gap_rel=gap_rel, lp_solver=lp_solver(solver), root_bound=lp_bound if not cuts else None,
             solver_name=solver,
@@ -450,7 +457,6 @@ def _solve_budget_model(
         res = proven or solve_model(
             model,
             solver,
-            time_limit_s=remaining,
             gap_rel=gap_rel,
             gap_abs=1e-7,
             threads=opts.threads,
@@ -466,7 +472,8 @@ def _solve_budget_model(
         y, r = decision_from(problem, idx, res.x)
         if math.ceil(problem.peak(y, problem.snap(y, r)) - 1e-6) <= budget:
             return res, cuts, proven is not None
-        if limits.expired():  # no time for another round: :func:`_solve` repairs the few bytes over, unproven
+        if limits.nodes_left() == 0 or limits.past_deadline("no-good cuts"):
+            # no work left for another round: :func:`_solve` repairs the few bytes over, unproven
             if res.status == OPTIMAL:
                 res = dataclasses.replace(res, status=TIME_LIMIT)
             return res, cuts, False

@@ -27,30 +27,31 @@ from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 
 
-#: Seconds the heuristic may spend on a min-peak MILP for its first plan when its roundings all fail, even when
-#: a quarter of the time limit is less (BERT-large: 0.15 s)
-_FIRST_PLAN_S = 0.5
+#: Branch-and-bound nodes the heuristic may spend on a min-peak MILP for its first plan when its roundings all
+#: fail (deterministic; drawn from the call's work budget)
+FIRST_PLAN_NODES = 1_000
 
 
 def heuristic(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
     """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
-    LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end, threads and the call's time
-    limit (its first plan may overrun a tiny limit slightly: LPs only, and a min-peak MILP of at most 2 s)."""
+    LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end and threads. Deterministic: a fixed
+    sequence of LPs, a min-peak MILP of at most :data:`FIRST_PLAN_NODES` nodes and a local descent of a bounded
+    number of moves; the call's wall-clock limit (the safety net) only ends the LPs after the first plan, and
+    that is recorded."""
     if problem.num_candidates == 0:
         return None, None
-    left = limits.remaining()  # what the call's budget has left for the local descent after the first plan
     with lifted():  # LPs only: the first plan comes even from a spent time budget
-        return _heuristic(problem, model, idx, budget, opts, left)
+        return _heuristic(problem, model, idx, budget, opts, limits.remaining())
 
 
 def _heuristic(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions,
     left: float | None = None,
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
-    t0 = time.perf_counter()
-    solver, threads, time_limit_s = lp_solver(opts.backend), opts.threads, opts.time_limit_s
+    t0 = time.monotonic()
+    solver, threads = lp_solver(opts.backend), opts.threads
     lp = relaxed(model)
     res = solve_model(lp, solver, threads=threads)
     if res.x is None:
@@ -58,17 +59,17 @@ def _heuristic(
     lp_bound = res.objective
     yl = np.array([res.x[j] for j in idx.y])
     best: tuple[float, np.ndarray, np.ndarray] | None = None
-    quick = 2.0 if time_limit_s is None else min(2.0, 0.25 * time_limit_s)
 
     def units() -> Iterator[np.ndarray]:
         # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
         for thr in (1e-6, 0.25, 0.5, 0.75):
-            if best is not None and left is not None and time.perf_counter() - t0 >= left:
-                return  # a plan in hand and the call's budget spent: no more LPs over the whole model
+            if best is not None and left is not None and time.monotonic() - t0 >= left:
+                limits.stopped(limits.WALL_CLOCK, "heuristic")  # safety net: a plan in hand, the clock spent
+                return
             yield _unnest(problem, (yl > thr).astype(float), yl)
         if best is None:  # none fits (the LP spread y over nested chains): the units of a min-peak plan
-            try:  # a first plan is worth a short overrun of a tiny limit (like the LPs above)
-                yield solve_min_peak(problem, opts.replace(solver=solver), time_limit_s=min(2.0, max(quick, _FIRST_PLAN_S)))[1]
+            try:
+                yield solve_min_peak(problem, opts.replace(solver=solver), node_limit=FIRST_PLAN_NODES)[1]
             except SolverError:
                 return
 
@@ -93,8 +94,7 @@ def _heuristic(
     if best is None:
         return None, lp_bound
     if problem.exact:
-        limit = quick if left is None else min(quick, 0.25 * max(0.0, left - (time.perf_counter() - t0)))
-        return improve(problem, best[1], best[2], budget, time_limit_s=limit), lp_bound
+        return improve(problem, best[1], best[2], budget), lp_bound
     return (best[1], best[2]), lp_bound
 
 
@@ -157,18 +157,22 @@ def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.nda
     return r
 
 
+#: Moves :func:`improve` may make per option level of the model (a deterministic bound on its work)
+MOVES_PER_LEVEL = 2
+
+
 def improve(
-    problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, time_limit_s: float = 2.0
+    problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, max_moves: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Local descent over option levels of a feasible exact-mode decision (a better incumbent).
 
     Moves, best saving first, each checked exactly in bytes: a checkpointed module one option cheaper, or
     not checkpointed at all; and where that alone does not fit, one to three options cheaper for it with as
     many options more for another checkpointed module as that needs, when the pair saves time. Stops when
-    no move saves or after ``time_limit_s``. Each check is a matrix-vector step on
-    :meth:`SacProblem.linear_terms`.
+    no move saves, after ``max_moves`` moves (default :data:`MOVES_PER_LEVEL` per option level of the model:
+    deterministic), or when the call's wall-clock safety net fires (recorded). Each check is a matrix-vector step
+    on :meth:`SacProblem.linear_terms`.
     """
-    t0 = time.perf_counter()
     C, Y = problem.linear_terms()
     if np.any(problem.ev_surge >= 0):  # each move checked against the largest surge its slot can add: safe
         Y = Y.copy()
@@ -189,7 +193,11 @@ def improve(
     lim = budget + 1e-6
     if np.max(m) > lim:
         return y, r
-    while time.perf_counter() - t0 < time_limit_s:
+    if max_moves is None:
+        max_moves = MOVES_PER_LEVEL * sum(len(o.ratio) for o in opts) + 16
+    for _ in range(max_moves):
+        if limits.past_deadline("local descent"):
+            break
         on = np.nonzero(lvl >= 0)[0]
         if not len(on):
             break
@@ -281,18 +289,18 @@ def repair(
 
 
 def solve_min_peak(
-    problem: SacProblem, opts: SolverOptions, time_limit_s: float | None = None
+    problem: SacProblem, opts: SolverOptions, node_limit: int | None = None
 ) -> tuple[int, np.ndarray, np.ndarray, SolveResult, float]:
-    """Solve the min-peak MILP with ``opts``' back-end and threads within ``time_limit_s`` (s; None: the
-    enclosing :func:`~sacplan.solver.limits.deadline` only); returns (ceil of the exact peak of its solution,
-    y, r, result, build_s)."""
+    """Solve the min-peak MILP with ``opts``' back-end and threads within ``node_limit`` branch-and-bound nodes
+    (None: the call's work budget only; the wall-clock :func:`~sacplan.solver.limits.deadline` is the safety net);
+    returns (ceil of the exact peak of its solution, y, r, result, build_s)."""
     t0 = time.perf_counter()
     model, idx = build_min_peak_model(problem)
     nc = problem.num_candidates
     warm = columns_for(problem, model, idx, np.zeros(nc), np.zeros(nc))
     build_s = time.perf_counter() - t0
-    res = solve_model(model, opts.backend, time_limit_s=time_limit_s, gap_rel=1e-9, gap_abs=1e-9, threads=opts.threads,
-                      warm_start=warm)
+    res = solve_model(model, opts.backend, gap_rel=1e-9, gap_abs=1e-9, threads=opts.threads, warm_start=warm,
+                      node_limit=node_limit)
     if res.x is None:
         raise SolverError(f"the min-peak MILP returned no solution ({res.solver}: {res.raw_status})")
     y, _ = decision_from(problem, idx, res.x)
