@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.cbc import cbc_path, solve_cbc
-from sacplan.solver.highs import branch_on_priorities, solve_highs
+from sacplan.solver.count_branching import branch_on_priorities
+from sacplan.solver.highs import solve_highs
 from sacplan.solver.model import OPTIMAL, MilpModel, RunSettings, SolveResult
 
 #: Solver names :func:`solve_model` accepts.
@@ -89,7 +90,7 @@ def solve_model(
         feas_tol: primal feasibility tolerance (model units).
         priorities: branching priorities for integer columns, ``{column: priority}`` (smaller = branched
             first). CBC reads them natively; for HiGHS, which has none, they are branched on first by
-            :func:`~sacplan.solver.highs.branch_on_priorities`.
+            :func:`~sacplan.solver.count_branching.branch_on_priorities`.
         options: extra raw CBC command-line options (CBC only), e.g. ``["preprocess off"]``.
         highs_options: extra HiGHS options (HiGHS only), e.g. ``{"mip_heuristic_effort": 0.0}``.
         node_limit: branch-and-bound nodes this run may explore (None: none of its own); deterministic.

@@ -73,35 +73,7 @@ def solve_cbc(
     import pulp
 
     time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
-
-    prob = pulp.LpProblem(model.name, pulp.LpMinimize)
-    make_var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3: no deprecation warning
-    cols = [
-        make_var(
-            f"c{j:07d}",
-            None if lb == -INF else lb,
-            None if ub == INF else ub,
-            pulp.LpInteger if integer else pulp.LpContinuous,
-        )
-        for j, (lb, ub, integer) in enumerate(zip(model.col_lb, model.col_ub, model.col_int))
-    ]
-    prob.setObjective(
-        pulp.LpAffineExpression([(cols[j], c) for j, c in enumerate(model.col_cost) if c != 0.0], constant=0.0)
-    )
-    for i in range(model.num_rows):
-        idx, val = model.row(i)
-        lb, ub = model.row_lb[i], model.row_ub[i]
-        expr = [(cols[j], v) for j, v in zip(idx, val)]
-        if not expr:
-            continue
-        name = f"r{i:07d}"
-        if lb == ub:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ, name, lb))
-            continue
-        if lb != -INF:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE, name + "l", lb))
-        if ub != INF:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintLE, name + "u", ub))
+    prob, cols = _pulp_problem(model)
     if warm_start is not None:
         for v, x0 in zip(cols, warm_start):
             v.setInitialValue(float(x0), check=False)
@@ -158,6 +130,48 @@ def solve_cbc(
                 log = f.read()
         except OSError:
             log = ""
+    return _result(model, prob, cols, log, solve_s)
+
+
+def _pulp_problem(model: MilpModel) -> tuple[Any, list[Any]]:
+    """``model`` as a PuLP problem and its columns, in order (one affine expression per row, PuLP's fast path)."""
+    import pulp
+
+    prob = pulp.LpProblem(model.name, pulp.LpMinimize)
+    make_var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3: no deprecation warning
+    cols = [
+        make_var(
+            f"c{j:07d}",
+            None if lb == -INF else lb,
+            None if ub == INF else ub,
+            pulp.LpInteger if integer else pulp.LpContinuous,
+        )
+        for j, (lb, ub, integer) in enumerate(zip(model.col_lb, model.col_ub, model.col_int))
+    ]
+    prob.setObjective(
+        pulp.LpAffineExpression([(cols[j], c) for j, c in enumerate(model.col_cost) if c != 0.0], constant=0.0)
+    )
+    for i in range(model.num_rows):
+        idx, val = model.row(i)
+        lb, ub = model.row_lb[i], model.row_ub[i]
+        expr = [(cols[j], v) for j, v in zip(idx, val)]
+        if not expr:
+            continue
+        name = f"r{i:07d}"
+        if lb == ub:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ, name, lb))
+            continue
+        if lb != -INF:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE, name + "l", lb))
+        if ub != INF:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintLE, name + "u", ub))
+    return prob, cols
+
+
+def _result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s: float) -> SolveResult:
+    """The normalised :class:`SolveResult` of a finished CBC run, from PuLP's status and CBC's ``log``."""
+    import pulp
+
     info = _parse_cbc_log(log)
     result = info.get("result", "")
     has_x = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)

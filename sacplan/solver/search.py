@@ -20,6 +20,7 @@ import numpy as np
 from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
+from sacplan.solver.descent import improve
 from sacplan.solver.formulation import MilpIndex, build_min_peak_model, columns_for, decision_from, fix_y
 from sacplan.solver.limits import lifted
 from sacplan.solver.model import MilpModel, SolveResult, relaxed
@@ -155,111 +156,6 @@ def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.nda
         else:
             r[s] = o.ratio[sum(1 for j in idx.w[s] if x[j] > 1e-6)]
     return r
-
-
-#: Moves :func:`improve` may make per option level of the model (a deterministic bound on its work)
-MOVES_PER_LEVEL = 2
-
-
-def improve(
-    problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, max_moves: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Local descent over option levels of a feasible exact-mode decision (a better incumbent).
-
-    Moves, best saving first, each checked exactly in bytes: a checkpointed module one option cheaper, or
-    not checkpointed at all; and where that alone does not fit, one to three options cheaper for it with as
-    many options more for another checkpointed module as that needs, when the pair saves time. Stops when
-    no move saves, after ``max_moves`` moves (default :data:`MOVES_PER_LEVEL` per option level of the model:
-    deterministic), or when the call's wall-clock safety net fires (recorded). Each check is a matrix-vector step
-    on :meth:`SacProblem.linear_terms`.
-    """
-    C, Y = problem.linear_terms()
-    if np.any(problem.ev_surge >= 0):  # each move checked against the largest surge its slot can add: safe
-        Y = Y.copy()
-        at = np.nonzero(problem.ev_surge >= 0)[0]
-        Y[at, problem.ev_surge[at]] += problem.surge_top()[at]
-    nc = problem.num_candidates
-    opts = [problem.options(s) for s in range(nc)]
-    if any(o is None for o in opts) or nc == 0:
-        return y, r
-    w = np.array([c.calls * c.recompute_ms for c in problem.candidates])
-    y = (np.asarray(y, dtype=float) > 0.5).astype(float)
-    lvl = np.array([opts[s].level_for(float(r[s])) if y[s] > 0.5 else -1 for s in range(nc)])
-    ratio = lambda s, k: 0.0 if k < 0 else opts[s].ratio[k]  # noqa: E731
-    qcost = lambda s, k: 0.0 if k < 0 else w[s] * opts[s].frac[k]  # noqa: E731
-    ratios_of = [np.asarray(o.ratio) for o in opts]
-    r = np.array([ratio(s, lvl[s]) for s in range(nc)])
-    m = problem.ev_base - C @ r + Y @ y
-    lim = budget + 1e-6
-    if np.max(m) > lim:
-        return y, r
-    if max_moves is None:
-        max_moves = MOVES_PER_LEVEL * sum(len(o.ratio) for o in opts) + 16
-    for _ in range(max_moves):
-        if limits.past_deadline("local descent"):
-            break
-        on = np.nonzero(lvl >= 0)[0]
-        if not len(on):
-            break
-        # single moves: one level down (or off from level 0), or off from any level
-        down = np.array([lvl[s] - 1 for s in on])
-        d_r = np.array([ratio(s, k) - r[s] for s, k in zip(on, down)])
-        d_y = np.where(down < 0, -1.0, 0.0)
-        save = np.array([qcost(s, lvl[s]) - qcost(s, k) for s, k in zip(on, down)])
-        new = m[:, None] - C[:, on] * d_r[None, :] + Y[:, on] * d_y[None, :]
-        ok = np.max(new, axis=0) <= lim
-        off_save = np.array([qcost(s, lvl[s]) for s in on])
-        off_new = m[:, None] + C[:, on] * r[on][None, :] - Y[:, on]
-        off_ok = np.max(off_new, axis=0) <= lim
-        best_s, best_val, best_k = -1, 1e-12, 0
-        for i, s in enumerate(on):
-            if ok[i] and save[i] > best_val:
-                best_s, best_val, best_k = s, save[i], down[i]
-            if off_ok[i] and off_save[i] > best_val:
-                best_s, best_val, best_k = s, off_save[i], -1
-        if best_s >= 0:
-            s = best_s
-            nr, ny = ratio(s, best_k), (1.0 if best_k >= 0 else 0.0)
-            m = m - C[:, s] * (nr - r[s]) + Y[:, s] * (ny - y[s])
-            r[s], y[s], lvl[s] = nr, ny, best_k
-            continue
-        # pair moves: s one to three levels down, t (checkpointed) up by as many levels as that needs
-        moved = False
-        best = (1e-9, -1, -1, -1, -1)  # gain, s, s level, t, t level
-        for s_ in on[np.argsort(-save)]:
-            for k in range(lvl[s_] - 1, max(-1, lvl[s_] - 4), -1):
-                gain_s = qcost(s_, lvl[s_]) - qcost(s_, k)
-                if gain_s <= best[0]:
-                    continue
-                excess = m - C[:, s_] * (ratio(s_, k) - r[s_]) - lim
-                bind = np.nonzero(excess > 0)[0]
-                if not len(bind):
-                    continue  # a single move, taken above when it saved most
-                ts = on[on != s_]
-                cb = C[np.ix_(bind, ts)]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    need = np.where(cb > 0, excess[bind][:, None] / cb, np.inf).max(axis=0)  # Δr per t
-                for t, dr in zip(ts, need):
-                    if not np.isfinite(dr):
-                        continue
-                    kt = int(np.searchsorted(ratios_of[t], r[t] + dr - 1e-12))
-                    if kt >= len(ratios_of[t]):
-                        continue
-                    gain = gain_s - (qcost(t, kt) - qcost(t, lvl[t]))
-                    if gain > best[0]:
-                        best = (gain, int(s_), k, int(t), kt)
-        if best[1] >= 0:
-            _, s_, k, t, kt = best
-            moves = ((s_, k), (t, kt))
-            m2 = m - sum(C[:, u] * (ratio(u, kk) - r[u]) for u, kk in moves)
-            moved = bool(np.max(m2) <= lim)  # exact re-check of the pair
-            if moved:
-                m = m2
-                for u, kk in moves:
-                    r[u], lvl[u] = ratio(u, kk), kk
-        if not moved:
-            break
-    return y, r
 
 
 def repair(

@@ -59,11 +59,12 @@ WIDE = 4
 #: The DP's deterministic work limits (issue 26: the same plan on every run, whatever the machine's load): work
 #: units are numbers touched — coordinates of the pairs a Minkowski sum forms, point-pair coordinates a Pareto
 #: filter compares, option rows an event screen compares — counted, never timed. Giving up at the same count on
-#: every run, the DP leaves the MILP the same problem. Measured ~1e8 units/s on a loaded 2-core host (Llama x32 at
-#: 90% of its peak, 12 binding events: 3.0e8 units, 2.9 s, proven where HiGHS takes 8 s), so :data:`WORK` is
-#: ~20 s there and a few s on a quiet core, :data:`WIDE_WORK` ~4 s there.
-WORK = 2_000_000_000
-WIDE_WORK = 400_000_000
+#: every run, the DP leaves the MILP the same problem. Measured on a loaded 2-core host: Llama x32 at 90% of its
+#: peak (12 binding events) 3.0e8 units in 2.9 s; the tiny Mixtral near its minimum spent 4e8 units in well over
+#: 10 s (its fronts' sweeps cost more per unit). So :data:`WORK` is a few seconds of a quiet core, ~10-30 s there,
+#: and :data:`WIDE_WORK` (more than :data:`WIDE` binding events) about the old 1 s share of a quiet core.
+WORK = 1_000_000_000
+WIDE_WORK = 100_000_000
 #: events that can exceed the budget above which the DP does not screen them for the binding ones
 MAX_SCREENED = 5_000
 #: points one front may keep before the DP gives up
