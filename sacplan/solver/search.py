@@ -39,12 +39,15 @@ def heuristic(
     """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
     LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end and threads. Deterministic: a fixed
     sequence of LPs, a min-peak MILP of at most :data:`FIRST_PLAN_NODES` nodes and a local descent of a bounded
-    number of moves; the call's wall-clock limit (the safety net) only ends the LPs after the first plan, and
-    that is recorded."""
+    number of moves; the call's wall-clock limit (the safety net) only ends the LPs after the first plan and the
+    descent, and that is recorded."""
     if problem.num_candidates == 0:
         return None, None
     with lifted():  # LPs only: the first plan comes even from a spent time budget
-        return _heuristic(problem, model, idx, budget, opts, limits.remaining())
+        first, lp_bound = _heuristic(problem, model, idx, budget, opts, limits.remaining())
+    if first is not None and problem.exact:  # under the call's limits again: the safety net can end the descent
+        first = improve(problem, first[0], first[1], budget)
+    return first, lp_bound
 
 
 def _heuristic(
@@ -94,8 +97,6 @@ def _heuristic(
             best = (val, y2, r2)
     if best is None:
         return None, lp_bound
-    if problem.exact:
-        return improve(problem, best[1], best[2], budget), lp_bound
     return (best[1], best[2]), lp_bound
 
 
