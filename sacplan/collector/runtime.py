@@ -48,8 +48,29 @@ def flop_mapping() -> dict[Any, Callable[..., int]]:
     return dict(EXTRA_FLOP_FORMULAS)
 
 
+def local_shards(x: Any) -> Any:
+    """``x`` with every DTensor (a traceable wrapper subclass holding one tensor) replaced by its local shard.
+
+    A dispatch mode sees a DTensor op at the global shapes; one rank computes and moves only its shards.
+    Shapes of ops whose sharding needs a redistribution first are those before it (an approximation).
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_map
+
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            if len(attrs) == 1:
+                return one(getattr(t, attrs[0]))
+        return t
+
+    return tree_map(one, x)
+
+
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """FLOPs of one op call, as ``FlopCounterMode(custom_mapping=flop_mapping())`` counts them."""
+    """FLOPs of one op call, as ``FlopCounterMode(custom_mapping=flop_mapping())`` counts them (on one rank's
+    local shards for DTensor arguments)."""
+    args, kwargs, out = local_shards((args, kwargs, out))
     packet = func._overloadpacket
     try:
         fn = flop_registry.get(packet)
@@ -70,7 +91,8 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 def op_io_bytes(args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes an op reads (tensor arguments) plus writes (tensor outputs)."""
+    """Bytes an op reads (tensor arguments) plus writes (tensor outputs), local shards for DTensors."""
+    args, kwargs, out = local_shards((args, kwargs, out))
     flat_in, _ = tree_flatten((args, kwargs))
     flat_out, _ = tree_flatten(out)
     total = 0
