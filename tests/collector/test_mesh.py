@@ -127,13 +127,9 @@ def test_tp_degree_must_divide_heads():
 
 
 def test_no_global_state_left():
-    """Hooks, modes, resize_, saved-tensor hooks as before; no process group; no hook left on the model."""
+    """Hooks, modes, resize_, saved-tensor hooks as before, and no process group."""
     from tests.collector.test_global_state import _global_state
 
     before = _global_state()
-    model = PRESET.build(n_layers=2)
-    with torch.device("meta"):
-        pass
     _collect({"tp": 2})
     assert _global_state() == before and not dist.is_initialized()
-    assert all(not m._forward_pre_hooks for m in model.modules())
