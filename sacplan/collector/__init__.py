@@ -163,7 +163,8 @@ def _collect(model: ModelArg, inputs: Any, device_mesh: Any, a: dict[str, Any]) 
         parallelize = a["parallelize"]
         prepare = lambda m: parallelize(m, device_mesh) or m  # noqa: E731
     fmodel = build_fake_model(model, preset, fake_mode, dtype, prepare=prepare)
-    model_name = model_name or type(fmodel).__name__
+    # FSDP2 swaps the class for a generated "FSDP<name>" subclass: report the user's class
+    model_name = model_name or next(c.__name__ for c in type(fmodel).__mro__ if not c.__name__.startswith("FSDP"))
     trainable = [p for p in fmodel.parameters() if p.requires_grad]
     if not trainable and opt_factory is not None:
         raise ConfigError(

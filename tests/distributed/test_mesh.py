@@ -120,3 +120,22 @@ def test_fake_mesh_rank_matches_real_ranks(tmp_path, layout):
     dp, tp, _ = LAYOUTS[layout]
     assert stats.world_size == dp * tp and stats.meta["distributed"]["rank"] == 0
     check(layout, _mp.spawn(_worker, dp * tp, tmp_path, layout, plan.to_dict()), plan, base)
+
+
+@pytest.mark.slow
+def test_example_trains_on_four_ranks():
+    """examples/train_2d_llama.py: plans on the fake group, trains 3 steps on 4 gloo ranks, peaks within 1%."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "examples/train_2d_llama.py"], cwd=root, capture_output=True, text=True,
+                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    peaks = re.findall(r"rank (\d): measured peak ([\d.]+) MiB, predicted ([\d.]+) MiB", out.stdout)
+    assert sorted(int(r) for r, _, _ in peaks) == [0, 1, 2, 3], out.stdout
+    assert all(abs(float(m) - float(p)) / float(m) < 0.01 for _, m, p in peaks), out.stdout
+    losses = [float(x) for x in re.findall(r"loss ([\d.]+)", out.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
