@@ -87,7 +87,10 @@ def collect(
         ddp: plan for DDP replicas (gradient buckets) instead of FSDP2.
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the simulated path (``world_size > 1``): the step is
             collected in its ``param_dtype`` (unless ``dtype`` says otherwise) and the shards are fp32 masters
-            (see :func:`sacplan.distributed.shard_stats`). With ``mesh`` put it in your ``parallelize`` instead.
+            (see :func:`sacplan.distributed.shard_stats`). The cast reaches buffers too, which FSDP2 leaves in
+            their dtype: for exact figures build the model with bf16 parameters and buffers in their own dtype
+            (``preset.build(dtype)`` keeps Llama's rotary table fp32), or use ``mesh``, where FSDP2 itself runs
+            (put the policy in your ``parallelize``).
         mesh: ``{dimension name: size}`` of a ``DeviceMesh`` (e.g. ``{"dp_shard": 2, "tp": 2}``): the step runs
             on PyTorch's fake process group as one rank of ``prod(sizes)`` ranks, the model parallelized by
             ``parallelize`` (see :mod:`sacplan.collector.mesh`). ``inputs`` is that rank's batch. The stats are
@@ -106,12 +109,14 @@ def collect(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    knobs = dict(device=device, optimizer=optimizer, loss_fn=loss_fn, train_step=train_step, dtype=dtype, batch=batch,
+                 seq=seq, runtime=runtime, model_name=model_name, max_lines=max_lines, progress=progress)
     if mesh is None:
         if parallelize is not None or rank is not None:
             raise ConfigError("parallelize= and rank= need mesh= (e.g. mesh={'dp_shard': 2, 'tp': 2})")
         if mp_policy is not None and dtype is None:
-            dtype = getattr(mp_policy, "param_dtype", None)
-        stats, fmodel = _collect(model, inputs, None, locals())
+            knobs["dtype"] = getattr(mp_policy, "param_dtype", None)
+        stats, fmodel = _collect(model, inputs, None, None, **knobs)
     else:
         from sacplan.collector.mesh import check_mesh, fake_mesh, mesh_info
 
@@ -122,7 +127,7 @@ def collect(
             raise ConfigError("mesh= needs parallelize=fn, fn(model, device_mesh) applying your parallelism")
         dims, rank = check_mesh(mesh, rank)
         with fake_mesh(dims, rank) as device_mesh:
-            stats, fmodel = _collect(model, inputs, device_mesh, locals())
+            stats, fmodel = _collect(model, inputs, device_mesh, parallelize, **knobs)
             info = mesh_info(dims, rank, fmodel)
         return dataclasses.replace(stats, world_size=info["world_size"], meta={**stats.meta, "distributed": info})
     if world_size > 1:
@@ -134,10 +139,13 @@ def collect(
     return stats
 
 
-def _collect(model: ModelArg, inputs: Any, device_mesh: Any, a: dict[str, Any]) -> tuple[ModelStats, torch.nn.Module]:
-    """The fake step of :func:`collect` (its arguments in ``a``) and the fake model it ran."""
-    device, optimizer, loss_fn, train_step, dtype = a["device"], a["optimizer"], a["loss_fn"], a["train_step"], a["dtype"]
-    batch, seq, runtime, model_name, max_lines, progress = a["batch"], a["seq"], a["runtime"], a["model_name"], a["max_lines"], a["progress"]
+def _collect(
+    model: ModelArg, inputs: Any, device_mesh: Any, parallelize: Any, *, device: str | DeviceSpec, optimizer: Any,
+    loss_fn: Any, train_step: Any, dtype: Any, batch: int | None, seq: int | None, runtime: str,
+    model_name: str | None, max_lines: int, progress: Callable[[str], None] | None,
+) -> tuple[ModelStats, torch.nn.Module]:
+    """The fake step of :func:`collect` (parallelized by ``parallelize`` on ``device_mesh`` when given) and the
+    fake model it ran."""
     t_start = time.perf_counter()
     say = progress or (lambda s: None)
     spec = get_device(device)
@@ -160,7 +168,6 @@ def _collect(model: ModelArg, inputs: Any, device_mesh: Any, a: dict[str, Any]) 
         from sacplan.collector.mesh import CollectiveFakeMode
 
         fake_mode = CollectiveFakeMode(allow_non_fake_inputs=True)
-        parallelize = a["parallelize"]
         prepare = lambda m: parallelize(m, device_mesh) or m  # noqa: E731
     fmodel = build_fake_model(model, preset, fake_mode, dtype, prepare=prepare)
     # FSDP2 swaps the class for a generated "FSDP<name>" subclass: report the user's class

@@ -191,3 +191,22 @@ def test_group_units_and_errors(bf16_stats):
         shard_stats(stats, 2, mp_policy="bf16")
     with pytest.raises(ConfigError, match="collect with dtype='float32'"):
         shard_stats(stats, 2, param_dtype=torch.float32)  # collected in bf16
+
+
+def test_collect_passes_the_policy_to_the_simulated_path(bf16_stats):
+    """collect(world_size=2, mp_policy=...) collects in bf16 and shards with fp32 masters (exact shapes)."""
+    from sacplan.collector import collect
+    from sacplan.devices import CPU
+    from sacplan.distributed import shard_stats
+    from sacplan.models import get_model
+
+    _, meta_model = bf16_stats
+    preset = get_model("llama-tiny")
+    kw = dict(device=CPU, loss_fn=preset.loss_fn)
+    toks = _tokens(0, preset.config.vocab_size)
+    via_collect = collect(lambda: preset.build(n_layers=LAYERS), toks, world_size=2, mp_policy=_policy(), **kw)
+    stats = collect(lambda: preset.build(n_layers=LAYERS), toks, dtype=torch.bfloat16, **kw)  # buffers cast too
+    direct = shard_stats(stats, 2, model=meta_model, mp_policy=_policy())
+    info = via_collect.meta["distributed"]
+    assert info["master_dtype"] == "torch.float32" and info["shapes"].startswith("exact")
+    assert via_collect.peak_bytes == direct.peak_bytes and via_collect.param_bytes == direct.param_bytes
