@@ -36,7 +36,6 @@ from typing import Any, Callable, Sequence
 from sacplan.cli_models import FACTORY_CONTRACT, ModelSpec, is_file_model, load_model_spec
 from sacplan.cli_mesh import add_mesh_args, check_mesh_args, collect_on_mesh, mesh_requested, mp_policy_of
 from sacplan.cli_models import UsageError as _UsageError
-from sacplan.distributed import unit_modules
 from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
 from sacplan.units import GiB, fmt_bytes
 
@@ -199,6 +198,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
+    from sacplan.distributed import unit_modules
+
     plan = solve(tree, budget, solver=args.solver, fsdp_units=unit_modules(tree.stats) or None, **_limit(args))
     cert = None
     if args.certify:
@@ -257,6 +258,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: sweeping budgets", file=sys.stderr, flush=True)
+    from sacplan.distributed import unit_modules
+
     result = sweep(tree, budgets, points=args.points, solver=args.solver, fsdp_units=unit_modules(tree.stats) or None,
                    **_limit(args))
     if args.plot:

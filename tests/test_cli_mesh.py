@@ -40,3 +40,11 @@ def test_plan_on_a_2d_mesh_with_mixed_precision(capsys):
     assert not dist.is_initialized()
     assert main(["plan", "llama-tiny", "-q", "--device", "cpu", "--tp", "2", "--world-size", "2", "--mixed-precision",
                  "bf16"]) == 2
+
+
+def test_mixed_precision_on_the_simulated_path(capsys):
+    """--world-size N --mixed-precision bf16: shard_stats with FSDP2's policy (fp32 master shards)."""
+    assert main(["plan", "llama-tiny", "-q", "--device", "cpu", "--world-size", "2", "--mixed-precision", "bf16",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["world_size"] == 2
