@@ -49,12 +49,12 @@ def main() -> int:
         stats, plan, base = tm.predicted(layout)
         dp, tp, _ = tm.LAYOUTS[layout]
         with tempfile.TemporaryDirectory() as d:
-            res = _mp.spawn(tm._worker, dp * tp, Path(d), layout, plan.to_dict())
+            res = _mp.spawn(tm.worker, dp * tp, Path(d), layout, plan.to_dict())
         rows.append(_row(f"{layout} (dp_shard {dp} x tp {tp})", "mesh (fake PG)", res, plan, base))
-    per_rank = tmp._per_rank("grouped")
-    plan, base = tmp._plan_for(per_rank)
+    per_rank = tmp.per_rank_stats("grouped")
+    plan, base = tmp.plan_for(per_rank)
     with tempfile.TemporaryDirectory() as d:
-        res = _mp.spawn(tmp._worker, 2, Path(d), "grouped", "after", plan.to_dict())
+        res = _mp.spawn(tmp.worker, 2, Path(d), "grouped", "after", plan.to_dict())
     rows.append(_row("fsdp2-bf16, [norm, output] group", "simulated (shard_stats, mp_policy)", res, plan, base))
     print("| layout | prediction | ranks | predicted no-AC MiB | measured MiB | error | predicted with plan MiB | "
           "measured MiB | error | grads bitwise with plan | max abs grad - reference |")

@@ -62,7 +62,7 @@ def _measure(rank: int, ws: int, layout: str, plan_dict: dict) -> dict:
     )
 
 
-def _worker(rank: int, ws: int, rdzv: str, layout: str, plan_dict: dict, q) -> None:
+def worker(rank: int, ws: int, rdzv: str, layout: str, plan_dict: dict, q) -> None:
     _mp.init(rank, ws, rdzv)
     _mp.guarded(rank, q, lambda: _measure(rank, ws, layout, plan_dict))
 
@@ -119,7 +119,7 @@ def test_fake_mesh_rank_matches_real_ranks(tmp_path, layout):
     assert plan.decisions, "the budget should need checkpointing"
     dp, tp, _ = LAYOUTS[layout]
     assert stats.world_size == dp * tp and stats.meta["distributed"]["rank"] == 0
-    check(layout, _mp.spawn(_worker, dp * tp, tmp_path, layout, plan.to_dict()), plan, base)
+    check(layout, _mp.spawn(worker, dp * tp, tmp_path, layout, plan.to_dict()), plan, base)
 
 
 @pytest.mark.slow

@@ -62,12 +62,12 @@ def _measure(rank: int, ws: int, units: str, order: str, plan_dict: dict) -> dic
     )
 
 
-def _worker(rank: int, ws: int, rdzv: str, units: str, order: str, plan_dict: dict, q) -> None:
+def worker(rank: int, ws: int, rdzv: str, units: str, order: str, plan_dict: dict, q) -> None:
     _mp.init(rank, ws, rdzv)
     _mp.guarded(rank, q, lambda: _measure(rank, ws, units, order, plan_dict))
 
 
-def _per_rank(units: str, ws: int = 2):
+def per_rank_stats(units: str, ws: int = 2):
     from sacplan.collector import collect
     from sacplan.devices import CPU
     from sacplan.distributed import shard_stats
@@ -85,7 +85,7 @@ def _per_rank(units: str, ws: int = 2):
                        **({"reshard_after_forward": raf} if raf else {}))
 
 
-def _plan_for(per_rank):
+def plan_for(per_rank):
     from sacplan.solver import baseline_peak, min_feasible_budget, solve
     from sacplan.tree import ModuleTree
 
@@ -102,9 +102,9 @@ def _plan_for(per_rank):
     [pytest.param("blocks", "before", marks=pytest.mark.slow), ("grouped", "after")],  # ~20 s each on 2 busy cores
 )
 def test_bf16_mixed_per_rank_peak(tmp_path, units, order):
-    per_rank = _per_rank(units)
-    plan, base = _plan_for(per_rank)
-    results = _mp.spawn(_worker, 2, tmp_path, units, order, plan.to_dict())
+    per_rank = per_rank_stats(units)
+    plan, base = plan_for(per_rank)
+    results = _mp.spawn(worker, 2, tmp_path, units, order, plan.to_dict())
     lines, failures = [], []
     for r in results:
         e0 = (r["plain_peak"] - base) / r["plain_peak"]
