@@ -118,13 +118,11 @@ def _forward_open(stats: ModelStats, e: MemoryEvent, units: list[Unit]) -> tuple
 
 
 def _backward_state(
-    stats: ModelStats, e: MemoryEvent, units: list[Unit]
+    stats: ModelStats, e: MemoryEvent, units: list[Unit], first: Mapping[str, int]
 ) -> tuple[set[Unit], list[Unit], list[Unit]]:
-    """At backward event ``e``: units unsharded for their backward, units done (by finish), units not begun (by start)."""
+    """At backward event ``e``: units unsharded for their backward, units done (by finish), units not begun (by
+    start). ``first``: each module's first position in ``bw_pre_order``."""
     started = stats.bw_pre_order[: e.bw_started]
-    first = {}
-    for i, f in enumerate(stats.bw_pre_order):
-        first.setdefault(f, i)
     pos = {f: i for i, f in enumerate(started)}  # last start among the begun calls
     open_units: set[Unit] = set()
     done: list[Unit] = []
@@ -155,6 +153,10 @@ def _fsdp_events(
     Os = sum(t.sharded_optimizer_bytes for t in tab.values())
     ratio_all = (Ps / P) if P else 0.0  # collected state bytes -> one rank's master-dtype shard
     n_bw = len(stats.bw_pre_order)
+    first: dict[str, int] = {}
+    for i, f in enumerate(stats.bw_pre_order):
+        first.setdefault(f, i)
+    members = {m for u in units for m in u.members}
     new_events: list[MemoryEvent] = []
     parts: list[tuple[int, int, int]] = []
     for e in stats.events:
@@ -167,13 +169,12 @@ def _fsdp_events(
                 ag += tab[last or root].allgather_buffer_bytes
             sharded = Ps + Os
         elif e.phase in (Phase.BW, Phase.RC) or (e.phase == Phase.OTHER and e.bw_started < n_bw):
-            open_units, done, not_started = _backward_state(stats, e, non_root)
+            open_units, done, not_started = _backward_state(stats, e, non_root, first)
             open_units |= {u for u in not_started if not u.reshard_after_forward}
             ag = tab[root].unsharded_bytes + sum(tab[u].unsharded_bytes for u in open_units)
             nxt = [u for u in not_started if u.reshard_after_forward]
             # a unit's pre-backward (the root's included) prefetches the next unit: none before the first one
-            begun = set(stats.bw_pre_order[: e.bw_started])
-            if nxt and any(m in begun for u in units for m in u.members):
+            if nxt and any(f in members for f in stats.bw_pre_order[: e.bw_started]):
                 ag += tab[nxt[0]].allgather_buffer_bytes
             if done:
                 rs = tab[done[-1]].reduce_scatter_bytes
