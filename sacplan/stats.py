@@ -111,6 +111,9 @@ class OpStat:
             A selective recomputation holds every saved tensor from its start, so where saved tensors made
             *after* an op outweigh this headroom, recomputation peaks above the forward
             (:func:`~sacplan.tradeoff.recompute_surge`).
+        tied_to: indices of the ops whose save decision this op must share because it reads a storage that an
+            in-place op overwrites later in the forward (``-1``: it must always be saved); see
+            :mod:`sacplan.collector.mutations`. Empty for stats from older versions.
     """
 
     index: int
@@ -126,13 +129,16 @@ class OpStat:
     is_output: bool = False
     save_cost_bytes: int = 0
     below_peak_bytes: int | None = None
+    tied_to: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OpStat":
-        return cls(**dict(d))
+        kw = dict(d)
+        kw["tied_to"] = tuple(int(t) for t in kw.get("tied_to", ()))  # a JSON list
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -422,7 +428,12 @@ class ModelStats:
                 continue
             if e.bw_started < started or e.bw_done < done:  # not monotone (never seen): start over
                 inside, started, done = set(), 0, 0
-            inside.update(p for p in range(started, min(e.bw_started, len(ends))) if ends[p] >= e.bw_done)
+            for p in range(started, min(e.bw_started, len(ends))):
+                # a call whose backward begins ends any earlier call of the same module that never reported its end
+                # (a module whose inputs need no grad: the first pipeline stage's blocks, once per microbatch)
+                inside.difference_update([q for q in inside if self.bw_pre_order[q] == self.bw_pre_order[p]])
+                if ends[p] >= e.bw_done:
+                    inside.add(p)
             started = max(started, e.bw_started)
             if e.bw_done > done:
                 inside = {p for p in inside if ends[p] >= e.bw_done}
