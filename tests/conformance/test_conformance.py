@@ -224,6 +224,11 @@ DEFAULT_BUDGETS = ("midway",)
 
 #: Known failures, ``(model, budget or None for all, check) -> reason`` (see benchmarks/RESULTS.md "Conformance").
 XFAIL: dict[tuple[str, str | None, str], str] = {
+    ("timm-swin", "near-min", "peak"): (
+        "over-predicted, the safe direction: -1.47% (predicted 6.24 MiB, CPU allocator 6.15, sacplan's tracker on "
+        "the real tensors 6.11) with the plan that checkpoints patch_embed, both stages' attention and MLPs and "
+        "layers.1.downsample; the collection agrees with the allocator, the excess is in the timeline's account of "
+        "this plan's recomputation (plan-dependent: another plan at this budget validated within 1%)"),
     **{("timm-efficientnet", b, check): "in-place safety rule, issue 24.1 (not measured at this budget yet)"
        for b in ("midway", "near-peak") for check in ("peak", "flops", "grads")},
     **{("hf-switch", None, check): (
