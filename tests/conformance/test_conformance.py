@@ -229,13 +229,6 @@ XFAIL: dict[tuple[str, str | None, str], str] = {
         "the real tensors 6.11) with the plan that checkpoints patch_embed, both stages' attention and MLPs and "
         "layers.1.downsample; the collection agrees with the allocator, the excess is in the timeline's account of "
         "this plan's recomputation (plan-dependent: another plan at this budget validated within 1%)"),
-    ("timm-swin", "near-min", "peak"): (
-        "over-predicted, the safe direction: -1.47% (predicted 6.24 MiB, CPU allocator 6.15, sacplan's tracker on "
-        "the real tensors 6.11) with the plan that checkpoints patch_embed, both stages' attention and MLPs and "
-        "layers.1.downsample; the collection agrees with the allocator, the excess is in the timeline's account of "
-        "this plan's recomputation (plan-dependent: another plan at this budget validated within 1%)"),
-    **{("timm-efficientnet", b, check): "in-place safety rule, issue 24.1 (not measured at this budget yet)"
-       for b in ("midway", "near-peak") for check in ("peak", "flops", "grads")},
     **{("hf-switch", None, check): (
         "collection (issue 24.4, engineer collectfake): Switch's router casts its classifier with Module.to() inside "
         "forward (fake mode cannot swap the parameter) and its experts loop over nonzero() (data-dependent shapes)")
@@ -255,7 +248,7 @@ ONE_THREAD = frozenset({"hf-mixtral-moe", "hf-qwen2-moe", "hf-olmoe"})
 #: Models whose every cell is ``slow``: each real step takes seconds on this CPU (a Python loop over the sequence
 #: in the state-space scans, per-expert batched matmuls, 224 px images), so the default suite stays in its time.
 SLOW_MODELS = frozenset({"hf-mamba", "hf-mamba2", "hf-qwen2-moe", "hf-olmoe", "hf-switch", "hf-whisper", "hf-swin",
-                         "timm-swin", "timm-efficientformer", "tv-mobilenet-v3", "timm-efficientnet", "hf-siglip"})
+                         "timm-swin", "timm-efficientformer", "tv-mobilenet-v3", "hf-siglip"})
 
 
 def _case(name: str) -> Case:
