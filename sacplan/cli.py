@@ -110,9 +110,44 @@ def _one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
         print(f"sacplan: warning: {text}", file=sys.stderr, flush=True)
 
 
+#: A custom target for ``--device FILE.json``: the fields of :class:`sacplan.devices.DeviceSpec`.
+DEVICE_JSON_EXAMPLE = '{"name": "MyGPU", "memory_bytes": 103079215104, "peak_flops": {"bf16": 1.2e15}, "hbm_bandwidth": 4.0e12}'
+
+
+def target_device(name: str) -> Any:
+    """``--device``: a known GPU's name or a JSON file of :class:`~sacplan.devices.DeviceSpec` fields.
+
+    Raises:
+        UsageError: unknown name (with the close names, written as ``--device`` values), unreadable file.
+    """
+    from sacplan.devices import DeviceSpec, ambiguous_devices, close_devices, get_device
+
+    if name.lower().endswith(".json"):
+        path = Path(name)
+        if not path.is_file():
+            raise _UsageError(f"--device {name}: no such file; it should hold one JSON object such as {DEVICE_JSON_EXAMPLE}")
+        try:
+            d = json.loads(path.read_text())
+            if not isinstance(d, dict):
+                raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+            return DeviceSpec.from_dict(d)
+        except (ValueError, TypeError, ConfigError) as e:
+            raise _UsageError(f"--device {name}: {_one_line(e)}; write one JSON object such as {DEVICE_JSON_EXAMPLE}") from e
+    if ambiguous_devices(name):
+        return get_device(name)  # raises, naming the --device values to choose from
+    try:
+        return get_device(name)
+    except ConfigError as e:
+        close = close_devices(name)
+        hint = f"did you mean {' or '.join(f'--device {c.lower()}' for c in close)}? " if close else ""
+        raise _UsageError(
+            f"unknown device {name!r}: {hint}`sacplan devices` lists the known GPUs; for another accelerator, "
+            f"write its figures to a JSON file and pass --device FILE.json, e.g. {DEVICE_JSON_EXAMPLE}"
+        ) from e
+
+
 def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]:
     """Resolve model/device/budget *before* the (slow) collection, so bad arguments fail fast."""
-    from sacplan.devices import get_device
     from sacplan.units import parse_budget
 
     spec = load_model_spec(args.model or DEFAULT_MODEL, layers=args.layers)
@@ -131,7 +166,7 @@ def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str
         elif seq is not None:
             raise _UsageError(f"--seq does not apply to {spec.preset.name} (an image model); use --batch")
     dtype = args.dtype if args.dtype is not None else (DEFAULT_DTYPE if spec.preset is not None else None)
-    device = get_device(args.device)
+    device = target_device(args.device)
     # Parsed here only to fail fast; the *string* goes to solve(), because an int below 1 MiB would be
     # re-read there as GiB (see sacplan.units.parse_budget).
     budget = getattr(args, "budget", None)
@@ -209,7 +244,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   + (" (percentages: of this plan's recompute)" if plan.recompute_ms else ""))
         if args.output:
             print(f"\nplan written to {args.output}")
+        print("\n" + "\n".join(next_steps(args, plan)))
     return EXIT_OK
+
+
+def next_steps(args: argparse.Namespace, plan: Any) -> list[str]:
+    """What to do with the plan just printed: save it, apply it in training, check it on a real step."""
+    model = args.model or DEFAULT_MODEL
+    out = args.output or "plan.json"
+    lines = ["next:"]
+    if not args.output:
+        lines.append(f"  save it:      rerun with -o {out}")
+    if not plan.decisions:
+        lines.append("  nothing to apply: the step fits the budget without checkpointing")
+        return lines
+    lines.append(f"  apply it:     sacplan.apply_plan(model, sacplan.load_plan({out!r}, model=model)) in your training script")
+    lines.append(f"  check it:     sacplan validate {model} --plan {out} --on cuda   (real steps on this machine's GPU; "
+                 "--on cpu where the model fits this machine's memory)")
+    return lines
 
 
 def _check_plot_path(path: str) -> None:
@@ -312,7 +364,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise _UsageError("--batch/--seq apply to presets only; a file model's factory makes its own inputs")
     plan = load_plan(args.plan)
     model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
-    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args)}
+    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args), "check_fingerprint": not args.no_fingerprint_check}
     if loss_fn is not None:
         kw["loss_fn"] = loss_fn
     if opt is not None:
@@ -320,10 +372,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         report = validate(model_fn, inputs_fn, plan, **kw)
     except PlanMismatchError as e:
+        why = ("module names or parameter shapes differ" if "fingerprint" in str(e) else _one_line(e).rstrip("."))
+        force = "" if args.no_fingerprint_check else (
+            "; or, if you changed only something the plan does not depend on, add --no-fingerprint-check")
         raise _UsageError(
             f"{args.plan} was made for {plan.model_name or 'another model'} ({len(plan.decisions)} modules "
-            f"checkpointed), not {spec.label}: run `sacplan validate {plan.model_name or 'MODEL'} --plan {args.plan}`, "
-            f"or make a plan for this model with `sacplan plan {args.model} -o PLAN.json` ({_one_line(e)})"
+            f"checkpointed), not {spec.label} ({why}; no real step was run): run `sacplan validate "
+            f"{plan.model_name or 'MODEL'} --plan {args.plan}`, or make a plan for this model with "
+            f"`sacplan plan {args.model} -o PLAN.json`{force}"
         ) from e
     print(report.summary())
     if not report.grads_match:
@@ -433,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
+    p.add_argument("--no-fingerprint-check", action="store_true",
+                   help="apply a plan whose model fingerprint (module names, parameter shapes) differs from MODEL's")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_validate)
     return parser

@@ -226,7 +226,7 @@ class Plan:
             *[f"  {x}" for x in extra],
             f"  budget               {fmt_bytes(self.budget_bytes)}",
             f"  no-AC baseline peak  {fmt_bytes(self.baseline_peak_bytes)}",
-            f"  predicted peak       {fmt_bytes(self.predicted_peak_bytes)}  ({fmt_bytes(self.saved_bytes)} saved)",
+            f"  predicted peak       {fmt_bytes(self.predicted_peak_bytes)}  ({fmt_bytes(self.saved_bytes)} below the no-AC peak)",
             f"  step                 {_ms(step)}  ({_ms(self.baseline_step_ms)} + {_ms(self.recompute_ms)} recompute, "
             f"{100 * self.overhead:.1f}% overhead)",
             f"  solver               {solver} (build {self.build_s:.2f} s, solve {self.solve_s:.2f} s)",
@@ -249,6 +249,10 @@ class Plan:
         freed = sum(d.discard_bytes * d.calls for d in self.decisions)
         total = f"total ({len(self.decisions)} modules)"
         lines.append(f"  {total:<{w}}  {'':>5}  {'':>7}  {fmt_bytes(freed):>10}  {_ms(self.recompute_ms):>11}")
+        lines.append(
+            "  freed: what a module drops after its forward (all its calls) until recomputation brings it back in its "
+            f"backward; the peak falls by {fmt_bytes(self.saved_bytes)} (above): only what is dropped at the peak's moment counts"
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:

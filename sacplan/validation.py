@@ -36,7 +36,7 @@ from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
 from sacplan.devices import CPU, DeviceSpec
-from sacplan.errors import ConfigError
+from sacplan.errors import ConfigError, PlanMismatchError
 from sacplan.evaluate import Choice, predict
 from sacplan.stats import Phase
 from sacplan.tree import ModuleTree
@@ -240,6 +240,11 @@ def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], 
     return rec.step_peak
 
 
+def _made_for(plan: Any) -> str:
+    name = getattr(plan, "model_name", "") or ""
+    return f" ({name})" if name else ""
+
+
 def _flops(model: nn.Module, args: Inputs, loss_fn: Callable[[Any, Inputs], torch.Tensor]) -> int:
     with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
         loss_fn(call_model(model, args), args).backward()
@@ -272,6 +277,7 @@ def validate(
     grad_atol: float = 1e-6,
     timed_steps: int = 3,
     progress: Callable[[str], None] | None = None,
+    check_fingerprint: bool = True,
 ) -> ValidationReport:
     """Run real steps without and with ``plan`` and compare with the predictions (see module docstring).
 
@@ -288,9 +294,13 @@ def validate(
         timed_steps: steps timed (without the profiler) after the warm-up and measured steps; their median
             is the reported step time.
         progress: called with a short line before each stage (for CLIs: real steps can take minutes).
+        check_fingerprint: refuse a plan made for another model (module names or parameter shapes differ)
+            before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
+        PlanMismatchError: the plan was made for another model (checked after the fake step, before any
+            real one).
     """
     if isinstance(model_fn, nn.Module) or not callable(model_fn):
         raise ConfigError(
@@ -320,12 +330,17 @@ def validate(
     say = progress or (lambda _s: None)
     say(f"predicting for this host ({dev.type}): one fake step")
     stats = collect(build, raw_inputs, device=spec, optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+    plan_fp = getattr(plan, "fingerprint", None)
+    if check_fingerprint and plan_fp and plan_fp != stats.fingerprint:
+        raise PlanMismatchError(
+            f"this plan was made for another model{_made_for(plan)} (plan fingerprint {plan_fp}, model "
+            f"{stats.fingerprint}): module names or parameter shapes differ; no real step was run. Re-plan for this "
+            "model, or pass check_fingerprint=False if you changed only something the plan does not depend on."
+        )
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
     if missing:
-        from sacplan.errors import PlanMismatchError
-
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
     pred = predict(tree, choices)
 
@@ -334,7 +349,7 @@ def validate(
         model = build().to(dev)
         model.train()
         if with_plan:
-            apply_plan(model, plan)  # turns a Hugging Face training cache off
+            apply_plan(model, plan, check_fingerprint=check_fingerprint)  # turns a Hugging Face training cache off
             return steps(model, True)
         with training_without_cache(model):  # as collect records the step and the planned step runs
             return steps(model, False)
