@@ -24,6 +24,20 @@ PLAN_SCHEMA_VERSION = 1
 
 
 
+def peak_advice(phase: str, module: str) -> list[str]:
+    """Where a step's no-checkpointing peak sits (``phase``, ``module``: :attr:`ModelStats.peak_phase` and
+    ``peak_module``) and, when checkpointing cannot lower it, what would (lines)."""
+    label = {Phase.FW: "forward", Phase.BW: "backward", Phase.OTHER: "optimizer step / loss"}.get(phase, phase)
+    lines = [f"no-checkpointing peak: {label}" + ("" if phase == Phase.OTHER else f", in {module or '<top level>'}")]
+    if phase == Phase.OTHER:
+        lines.append(
+            "checkpointing cannot lower that peak (no activations are live there): parameters, gradients and "
+            "optimizer state are; a fused or 8-bit optimizer, sharding them (FSDP, world_size=N / --world-size N) "
+            "or more ranks would"
+        )
+    return lines
+
+
 def _ms(x: float) -> str:
     """Milliseconds for people: three significant digits, no ``0.000 ms`` for a small nonzero time."""
     if x == 0:
@@ -195,15 +209,7 @@ class Plan:
         where = self.meta.get("baseline_peak_at")
         if not where:
             return []
-        phase, module = where[0], where[1] or "<top level>"
-        label = {Phase.FW: "forward", Phase.BW: "backward", Phase.OTHER: "optimizer step / loss"}.get(phase, phase)
-        lines = [f"no-checkpointing peak: {label}" + ("" if phase == Phase.OTHER else f", in {module}")]
-        if phase == Phase.OTHER:
-            lines.append(
-                "checkpointing cannot lower that peak (no activations are live there): parameters, gradients and "
-                "optimizer state are; a fused or 8-bit optimizer, sharding them (FSDP, world_size=N) or more ranks would"
-            )
-        return lines
+        return peak_advice(where[0], where[1])
 
     def summary(self, extra: Sequence[str] = ()) -> str:
         """A human-readable table of the plan (what ``sacplan plan`` and ``sacplan show`` print).

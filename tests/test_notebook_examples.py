@@ -20,7 +20,7 @@ def _run_example(name: str, *args: str, timeout: int = 120) -> str:
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r.stdout
+    return r.stdout + r.stderr  # warnings included
 
 
 def test_notebook_executes():
@@ -50,6 +50,10 @@ def test_train_loop():
 def test_plan_70b_fsdp_small():
     out = _run_example("plan_70b_fsdp.py", "--layers", "4", "--seq", "2048")
     assert "SAC plan: llama-70b (4 layers)" in out and "world size 8" in out
+    # the default budget is below the card's 79.19 GiB (no BudgetWarning), and so is the plan
+    assert "budget               75.00 GiB" in out and "warning" not in out.lower()
+    peak = next(ln for ln in out.splitlines() if ln.strip().startswith("predicted peak")).split()
+    assert float(peak[2]) <= 75.0 and peak[3] == "GiB"
 
 
 def test_compare_reference():
