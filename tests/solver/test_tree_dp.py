@@ -116,7 +116,7 @@ def gave_up(P, budget, **kw):
     why: list[str] = []
     t0 = time.perf_counter()
     assert solve_tree_dp(P, budget, why=why, **kw) is None
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 20.0  # milliseconds quiet; wide slack for a loaded host
     return why[0]
 
 
@@ -159,4 +159,4 @@ def test_pareto_keeps_its_deadline_on_large_fronts():
         t0 = time.perf_counter()
         with pytest.raises(TreeDpGaveUp, match="time limit"):
             pareto(rng.random(len(v)), v, deadline=time.monotonic() - 1.0)
-        assert time.perf_counter() - t0 < 2.0
+        assert time.perf_counter() - t0 < 20.0  # the whole front: 50-60 s; wide slack for a loaded host
