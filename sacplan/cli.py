@@ -7,7 +7,7 @@
     sacplan show plan.json
     sacplan devices                                # target GPUs for --device
     sacplan models                                 # built-in presets for MODEL
-    sacplan validate llama-tiny --plan plan.json --on cpu
+    sacplan validate llama-tiny --plan plan.json --on cpu [--compile]
 
 MODEL is a preset name (``sacplan models``) or ``path/to/file.py:factory``: see
 :data:`sacplan.cli_models.FACTORY_CONTRACT`
@@ -364,7 +364,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise _UsageError("--batch/--seq apply to presets only; a file model's factory makes its own inputs")
     plan = load_plan(args.plan)
     model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
-    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args), "check_fingerprint": not args.no_fingerprint_check}
+    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args), "check_fingerprint": not args.no_fingerprint_check,
+                          "compile": args.compile}
     if loss_fn is not None:
         kw["loss_fn"] = loss_fn
     if opt is not None:
@@ -489,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
+    p.add_argument("--compile", nargs="?", const=True, default=False, choices=("blocks", "model"),
+                   help="run both steps compiled (torch.compile, Inductor): each repeated block as torchtitan does "
+                        "(default), or the whole model ('--compile model'); the plan is applied first")
     p.add_argument("--no-fingerprint-check", action="store_true",
                    help="apply a plan whose model fingerprint (module names, parameter shapes) differs from MODEL's")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")

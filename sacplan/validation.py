@@ -30,11 +30,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from sacplan.apply import apply_plan, remove_plan
+from sacplan.blocks import repeated_blocks
 from sacplan.collector import collect, default_loss, default_optimizer
 from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
+from sacplan.compiling import compile_choice, compile_model
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import ConfigError, PlanMismatchError
 from sacplan.evaluate import Choice, predict
@@ -63,14 +65,15 @@ class Measurement:
         tracker_peak_bytes: sacplan's tracker on the real tensors (CPU cross-check; ``None`` on CUDA).
         step_ms: median wall (CPU) or CUDA-event (GPU) time of the timed steps after warm-up, ms (without
             the profiler that measures the peak).
-        flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas).
+        flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas); ``None`` for a
+            compiled step (a dispatch mode would make it run eagerly).
         method: how ``peak_bytes`` was measured.
     """
 
     peak_bytes: int
     tracker_peak_bytes: int | None
     step_ms: float
-    flops: int
+    flops: int | None
     method: str
 
 
@@ -93,9 +96,13 @@ class ValidationReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
     plan_device_name: str = ""
     timed_steps: int = 1
+    compiled: str = ""
 
     @property
-    def measured_recompute_flops(self) -> int:
+    def measured_recompute_flops(self) -> int | None:
+        """Planned minus baseline FLOPs (``None`` for compiled steps, whose FLOPs are not counted)."""
+        if self.planned.flops is None or self.baseline.flops is None:
+            return None
         return self.planned.flops - self.baseline.flops
 
     @property
@@ -113,13 +120,12 @@ class ValidationReport:
             ("", f"predicted for this host ({self.host})", "measured", "error"),
             ("peak, no plan", fmt_bytes(self.predicted_baseline_peak_bytes), fmt_bytes(self.baseline.peak_bytes), f"{self.baseline_peak_error:+.2%}"),
             ("peak, with plan", fmt_bytes(self.predicted_peak_bytes), fmt_bytes(self.planned.peak_bytes), f"{self.peak_error:+.2%}"),
-            ("recomputed GFLOP", f"{self.predicted_recompute_flops / 1e9:.4f}", f"{self.measured_recompute_flops / 1e9:.4f}",
-             "exact" if self.predicted_recompute_flops == self.measured_recompute_flops else f"{self.measured_recompute_flops - self.predicted_recompute_flops:+d}"),
+            self._flops_row(),
             (f"step ms, no plan{timed}", "", f"{self.baseline.step_ms:.2f}", ""),
             (f"step ms, with plan{timed}", "", f"{self.planned.step_ms:.2f}", ""),
         ]
         w = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"validation on {self.host} ({self.method})"]
+        lines = [f"validation on {self.host} ({self.method})" + (f", compiled: {self.compiled}" if self.compiled else "")]
         lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
         lines.append(
             "gradients: " + ("bitwise equal" if self.grads_bitwise_equal else f"max |diff| {self.max_grad_abs_diff:.3g}")
@@ -138,6 +144,12 @@ class ValidationReport:
             )
         lines += list(self.notes)
         return "\n".join(lines)
+
+    def _flops_row(self) -> tuple[str, str, str, str]:
+        pred, meas = self.predicted_recompute_flops, self.measured_recompute_flops
+        if meas is None:
+            return ("recomputed GFLOP", f"{pred / 1e9:.4f}", "not counted", "(compiled)")
+        return ("recomputed GFLOP", f"{pred / 1e9:.4f}", f"{meas / 1e9:.4f}", "exact" if pred == meas else f"{meas - pred:+d}")
 
 
 def plan_choices(plan: Any) -> dict[str, Choice]:
@@ -278,6 +290,7 @@ def validate(
     timed_steps: int = 3,
     progress: Callable[[str], None] | None = None,
     check_fingerprint: bool = True,
+    compile: bool | str = False,
 ) -> ValidationReport:
     """Run real steps without and with ``plan`` and compare with the predictions (see module docstring).
 
@@ -296,6 +309,11 @@ def validate(
         progress: called with a short line before each stage (for CLIs: real steps can take minutes).
         check_fingerprint: refuse a plan made for another model (module names or parameter shapes differ)
             before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
+        compile: run both steps compiled with Inductor (:mod:`sacplan.compiling`): ``True`` compiles each
+            repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
+            choose. The plan is applied before compiling. The prediction is the eager step's: compiled steps
+            peak at most there. Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
+            nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``.
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
@@ -314,6 +332,7 @@ def validate(
         raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"validate supports cpu and cuda devices, not {dev.type!r}")
+    compile_choice(compile, ("any",))  # a bad value fails before the fake step
     loss = as_loss(loss_fn) if loss_fn is not None else default_loss
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
@@ -337,6 +356,8 @@ def validate(
             f"{stats.fingerprint}): module names or parameter shapes differ; no real step was run. Re-plan for this "
             "model, or pass check_fingerprint=False if you changed only something the plan does not depend on."
         )
+    blocks = repeated_blocks(stats)
+    how = compile_choice(compile, blocks)
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
@@ -350,8 +371,12 @@ def validate(
         model.train()
         if with_plan:
             apply_plan(model, plan, check_fingerprint=check_fingerprint)  # turns a Hugging Face training cache off
+            if how is not None:  # after the plan, as torchtitan orders them
+                compiled.append(compile_model(model, how, blocks))
             return steps(model, True)
         with training_without_cache(model):  # as collect records the step and the planned step runs
+            if how is not None:
+                compiled.append(compile_model(model, how, blocks))
             return steps(model, False)
 
     def steps(model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
@@ -374,17 +399,20 @@ def validate(
                 opt.step()
             model.zero_grad(set_to_none=True)
 
-        peak, tracker, ms = measure_step(model, args, step, opt, dev)
+        if how is not None:
+            step()  # compiled: a recompilation on the second call (guards on the first) is not measured
+        peak, tracker, ms = measure_step(model, args, step, opt, dev, track=how is None)
         times = [_timed(step, dev) for _ in range(max(0, timed_steps))]
         if times:
             ms = statistics.median(times)
         torch.manual_seed(seed + 3)
-        flops = _flops(model, args, loss)
+        flops = _flops(model, args, loss) if how is None else None
         if with_plan:
             remove_plan(model)
         method = "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "torch.profiler CPU allocator events + live bytes at step start"
         return Measurement(peak, tracker, ms, flops, method), grads
 
+    compiled: list[str] = []
     base, g0 = run(False)
     planned, g1 = run(True)
     bitwise = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(g0, g1))
@@ -408,4 +436,5 @@ def validate(
         grads_match=close,
         plan_device_name=str(getattr(plan, "device_name", "") or ""),
         timed_steps=max(1, timed_steps),
+        compiled=compiled[0] if compiled else "",
     )

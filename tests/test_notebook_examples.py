@@ -73,3 +73,25 @@ def test_timm_vit():
         pytest.skip("timm is not installed")
     out = _run_example("timm_vit.py", "--batch", "16", timeout=300)
     assert "step 1: loss" in out and "validation on cpu" in out and "gradients: bitwise equal" in out
+
+
+def _trainers_installed(*mods: str) -> None:
+    missing = [m for m in mods if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: pip install -e \".[trainers]\" (CI does)")
+
+
+def test_hf_trainer():
+    """Plan with fit_to_budget, then Hugging Face's Trainer trains the planned model (tiny, 3 steps)."""
+    _trainers_installed("transformers", "accelerate")
+    out = _run_example("hf_trainer.py", "--layers", "2", "--hidden", "64", "--seq", "64", "--steps", "3", timeout=300)
+    assert "SAC plan: LlamaForCausalLM on CPU" in out and "trained 3 steps with the plan" in out
+    assert "model.layers." in out  # something is checkpointed
+
+
+def test_lightning_train():
+    """Plan the LightningModule's model, then Lightning's Trainer.fit trains it (tiny, 3 steps)."""
+    _trainers_installed("lightning")
+    out = _run_example("lightning_train.py", "--layers", "2", "--seq", "64", "--steps", "3", timeout=300)
+    assert "SAC plan: Llama on CPU" in out and "trained 3 steps with the plan" in out
+    assert "layers." in out
