@@ -97,6 +97,7 @@ class ValidationReport:
     plan_device_name: str = ""
     timed_steps: int = 1
     compiled: str = ""
+    grads_compared: bool = True
 
     @property
     def measured_recompute_flops(self) -> int | None:
@@ -129,7 +130,9 @@ class ValidationReport:
         lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
         lines.append(
             "gradients: " + ("bitwise equal" if self.grads_bitwise_equal else f"max |diff| {self.max_grad_abs_diff:.3g}")
-            + ("" if self.grads_match else "  (MISMATCH)")
+            + ("" if self.grads_match else "  (MISMATCH)" if self.grads_compared else
+               "  (not compared: the step draws random numbers, and compiled graphs with and without the plan draw "
+               "different ones)")
         )
         if self.baseline.tracker_peak_bytes is not None:
             lines.append(
@@ -313,7 +316,9 @@ def validate(
             repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
             choose. The plan is applied before compiling. The prediction is the eager step's: compiled steps
             peak at most there. Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
-            nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``.
+            nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
+            all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
+            draw different ones.
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
@@ -434,6 +439,7 @@ def validate(
         grads_bitwise_equal=bitwise,
         max_grad_abs_diff=max(diffs, default=0.0),
         grads_match=close,
+        grads_compared=how is None or not any(op.is_random for m in stats.modules for op in m.ops),
         plan_device_name=str(getattr(plan, "device_name", "") or ""),
         timed_steps=max(1, timed_steps),
         compiled=compiled[0] if compiled else "",

@@ -89,5 +89,6 @@ def test_readme_torchvision_workaround_imports_torchvision(tmp_path):
         pytest.skip("torchvision is not installed")
     block = re.search(r"importing torchvision.*?```python\n(.*?)```", README, re.S).group(1)
     code = block + "\nfrom torchvision.models import resnet18\nprint(type(resnet18(num_classes=10)).__name__)\n"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and r.stdout.strip() == "ResNet", r.stderr[-2000:]
