@@ -18,8 +18,8 @@ Budgets: ``60GiB``, ``64.4GB``, ``512MiB``, a plain number of GiB (``60``) or a 
 device's memory (``80%``, the default).
 
 Exit codes: 0 ok; 2 bad argument (usage, unknown device or preset, unparsable budget, missing factory file
-or function); 3 infeasible budget (the message gives the minimum feasible budget); 1 any other sacplan
-error; 130 interrupted (Ctrl-C). Errors are one line on stderr, never a traceback; so are warnings (e.g. a budget
+or function, a model file that fails to import); 3 infeasible budget (the message gives the minimum feasible
+budget); 1 any other sacplan error; 130 interrupted (Ctrl-C). Errors are one line on stderr, never a traceback; so are warnings (e.g. a budget
 above the target device's memory).
 """
 
@@ -35,8 +35,9 @@ from typing import Any, Callable, Sequence
 
 from sacplan.cli_models import FACTORY_CONTRACT, ModelSpec, is_file_model, load_model_spec
 from sacplan.cli_models import UsageError as _UsageError
+from sacplan.cli_device import devices_table, target_device
 from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
-from sacplan.units import GiB, fmt_bytes
+from sacplan.units import fmt_bytes
 
 __all__ = ["main", "build_parser", "load_model_spec", "ModelSpec", "format_plan"]
 
@@ -59,25 +60,6 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 def format_plan(plan: Any, extra: Sequence[str] = ()) -> str:
     """The plan's table, :meth:`sacplan.plan.Plan.summary` (one formatter for the CLI and Python)."""
     return plan.summary(extra)
-
-
-def _devices_table() -> str:
-    from sacplan.devices import list_devices
-
-    rows = [("device", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "alloc round B")]
-    for d in list_devices():
-        bf16 = d.peak_flops.get("bf16")
-        fp32 = d.peak_flops.get("fp32")
-        rows.append((
-            d.name,
-            f"{d.memory_bytes / GiB:.1f}",
-            "-" if bf16 is None else f"{bf16 / 1e12:.1f}",
-            "-" if fp32 is None else f"{fp32 / 1e12:.1f}",
-            f"{d.hbm_bandwidth / 1e9:.0f}",
-            str(d.alloc_round_bytes),
-        ))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows)
 
 
 def _dump(obj: Any) -> None:
@@ -108,42 +90,6 @@ def _one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
     if text not in _WARNED:
         _WARNED.add(text)
         print(f"sacplan: warning: {text}", file=sys.stderr, flush=True)
-
-
-#: A custom target for ``--device FILE.json``: the fields of :class:`sacplan.devices.DeviceSpec`.
-DEVICE_JSON_EXAMPLE = '{"name": "MyGPU", "memory_bytes": 103079215104, "peak_flops": {"bf16": 1.2e15}, "hbm_bandwidth": 4.0e12}'
-
-
-def target_device(name: str) -> Any:
-    """``--device``: a known GPU's name or a JSON file of :class:`~sacplan.devices.DeviceSpec` fields.
-
-    Raises:
-        UsageError: unknown name (with the close names, written as ``--device`` values), unreadable file.
-    """
-    from sacplan.devices import DeviceSpec, ambiguous_devices, close_devices, get_device
-
-    if name.lower().endswith(".json"):
-        path = Path(name)
-        if not path.is_file():
-            raise _UsageError(f"--device {name}: no such file; it should hold one JSON object such as {DEVICE_JSON_EXAMPLE}")
-        try:
-            d = json.loads(path.read_text())
-            if not isinstance(d, dict):
-                raise ValueError(f"expected a JSON object, got {type(d).__name__}")
-            return DeviceSpec.from_dict(d)
-        except (ValueError, TypeError, ConfigError) as e:
-            raise _UsageError(f"--device {name}: {_one_line(e)}; write one JSON object such as {DEVICE_JSON_EXAMPLE}") from e
-    if ambiguous_devices(name):
-        return get_device(name)  # raises, naming the --device values to choose from
-    try:
-        return get_device(name)
-    except ConfigError as e:
-        close = close_devices(name)
-        hint = f"did you mean {' or '.join(f'--device {c.lower()}' for c in close)}? " if close else ""
-        raise _UsageError(
-            f"unknown device {name!r}: {hint}`sacplan devices` lists the known GPUs; for another accelerator, "
-            f"write its figures to a JSON file and pass --device FILE.json, e.g. {DEVICE_JSON_EXAMPLE}"
-        ) from e
 
 
 def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]:
@@ -328,7 +274,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         _dump([d.to_dict() for d in list_devices()])
     else:
-        print(_devices_table())
+        print(devices_table())
     return EXIT_OK
 
 
