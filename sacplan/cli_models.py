@@ -30,7 +30,8 @@ A file model is path/to/file.py:factory, where factory() takes no arguments and 
   loss_fn    loss_fn(output) -> scalar loss, labels captured from the factory, e.g.
              loss_fn=lambda out: torch.nn.functional.cross_entropy(out, labels)  (optional; default:
              the mean of the output); loss_fn(output, inputs) works too
-  optimizer  params -> torch.optim.Optimizer (optional; default AdamW)"""
+  optimizer  params -> torch.optim.Optimizer (optional; default AdamW)
+The file is imported as `python path/to/file.py` would run it: it may import modules beside it."""
 
 _FACTORY_KEYS = ("model", "inputs", "loss_fn", "optimizer")
 _FACTORY_EXAMPLE = "return dict(model=model, inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, y))"
