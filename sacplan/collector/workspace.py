@@ -11,7 +11,8 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
   the same way benchmark mode times ops on the device it plans for. oneDNN convolutions reorder inputs,
   weights and outputs into blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32);
   ``_safe_softmax`` (the math attention path) builds boolean masks; fused RMS norm keeps an input-sized
-  temporary; matrix products copy an operand BLAS cannot read in place (a stride-0 gradient expanded from a
+  temporary; the CPU flash attention kernels keep per-thread blocks of scores and fp32 accumulators (their
+  size follows the intra-op thread count, measured with the current one); matrix products copy an operand BLAS cannot read in place (a stride-0 gradient expanded from a
   ``sum`` / ``mean``; only such signatures are measured). Signatures whose tensors exceed
   :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
 * CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
@@ -39,7 +40,9 @@ _CONV_OPS = frozenset(
 #: layer norm forward / backward: the tensor arguments the kernel makes contiguous (input; output gradient, input)
 _LAYER_NORM_ARGS = {aten.native_layer_norm.default: (0,), aten.native_layer_norm_backward.default: (0, 1)}
 WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | frozenset(
-    {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default}
+    {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default,
+     aten._scaled_dot_product_flash_attention_for_cpu.default,
+     aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 )
 #: matrix products and their matrix operands: the CPU kernels copy an operand BLAS cannot read in place
 #: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``

@@ -1,7 +1,7 @@
 """Differential check of one fuzz model (:mod:`sacplan.testing.fuzzmodels`): sacplan's plans against the model's
 own unplanned CPU step.
 
-For a :class:`~sacplan.testing.fuzzmodels.ModelSpec`: one real unplanned step first (a model torch itself refuses,
+For a :class:`~sacplan.testing.fuzzmodels.ModelSpec` (built by :mod:`sacplan.testing.fuzzmodules`): one real unplanned step first (a model torch itself refuses,
 e.g. an in-place activation overwriting a value its producer's backward needs, raises :class:`InvalidModel`:
 not sacplan's concern), then ``collect`` on fakes for the CPU spec (fp32, no optimizer: at fuzz sizes parameters
 would hold the peak), ``min_feasible_budget`` and the no-checkpointing peak, and for each budget fraction
@@ -32,7 +32,8 @@ from sacplan.collector import collect
 from sacplan.collector.calling import as_inputs, call_model
 from sacplan.devices import CPU
 from sacplan.solver import min_feasible_budget, solve
-from sacplan.testing.fuzzmodels import ModelSpec, build_model, loss_fn, make_inputs
+from sacplan.testing.fuzzmodels import ModelSpec
+from sacplan.testing.fuzzmodules import build_model, loss_fn, make_inputs
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes
 from sacplan.validation import validate
@@ -115,9 +116,10 @@ def _check_plan(spec: ModelSpec, plan: Any) -> tuple[list[str], str]:
     if not rep.grads_bitwise_equal:
         out.append(f"gradients not bitwise equal (max |diff| {rep.max_grad_abs_diff:.3g})")
     if abs(rep.peak_error) > PEAK_TOLERANCE:
-        out.append(f"planned peak off by {rep.peak_error:+.2%}")
+        out.append(f"planned peak off by {rep.peak_error:+.2%} ({rep.planned.peak_bytes - rep.predicted_peak_bytes:+d} B)")
     if abs(rep.baseline_peak_error) > PEAK_TOLERANCE:
-        out.append(f"unplanned peak off by {rep.baseline_peak_error:+.2%}")
+        out.append(f"unplanned peak off by {rep.baseline_peak_error:+.2%} "
+                   f"({rep.baseline.peak_bytes - rep.predicted_baseline_peak_bytes:+d} B)")
     if rep.measured_recompute_flops != rep.predicted_recompute_flops:
         out.append(f"recomputed FLOPs {rep.measured_recompute_flops} measured, {rep.predicted_recompute_flops} predicted")
     if rep.predicted_recompute_flops != sum(d.recompute_flops for d in plan.decisions):
