@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from sacplan.collector.calling import as_inputs, as_loss, call_model
 from sacplan.collector.runtime import flop_mapping
 from sacplan.evaluate import Choice, module_outcome, predict
+from sacplan.opgroups import forced_saves, named_saves
 from sacplan.opnames import ATTENTION, op_keys
 from sacplan.plan import ModuleDecision, Plan
 from sacplan.blocks import repeated_blocks
@@ -93,10 +94,9 @@ def plan_from_choices(tree: ModuleTree, choices: Mapping[str, Choice], label: st
         A = ms.tradeoff.max_discard_bytes if ms.tradeoff is not None else 0
         d0 = out.discard_bytes[0] if out.discard_bytes else 0
         if choice is None:
-            saved = None
+            saved = forced_saves(ms.ops, ms.recompute_stop)
         else:
-            keys = op_keys(ms.ops)
-            saved = tuple((o.index, o.name, o.occurrence) for o, k in zip(ms.ops, keys) if k in choice)
+            saved = named_saves(ms.ops, ms.recompute_stop, choice)
         decisions.append(
             ModuleDecision(
                 fqn=fqn,

@@ -7,7 +7,12 @@ evaluation of a given save list (:mod:`sacplan.evaluate`) and the solver's knaps
 * an in-place op is decided together with the op whose output it modifies; a group whose head is itself in-place
   with no producer inside the module is saved (its input cannot be recomputed inside the module);
 * random ops are all saved or all recomputed together (or all saved with ``force_store_random``), so a
-  recomputation never redraws some random numbers and reuses others.
+  recomputation never redraws some random numbers and reuses others;
+* an op that reads a storage an in-place op overwrites later is decided together with that storage
+  (:attr:`~sacplan.stats.OpStat.tied_to`), or always saved when the storage comes from outside the module: a
+  saved storage is cached with its *final* value, so a recomputed reader would compute from the overwritten
+  one and change the gradients silently (:mod:`sacplan.collector.mutations` derives the ties and proves the
+  rule). Every save list built from these groups therefore gives the unplanned step's gradients.
 
 The tied ops are merged into :class:`OpGroup` s first (union-find, :func:`op_groups`); :func:`split_groups` sorts
 them into always saved, free and never saved. The free groups are the items of the knapsacks of
@@ -17,8 +22,9 @@ them into always saved, free and never saved. The free groups are the items of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
+from sacplan.opnames import op_keys
 from sacplan.stats import OpStat
 
 
@@ -60,6 +66,13 @@ def op_groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> lis
             forced_save[p] = True  # modifies something produced outside the module: keep it
         else:
             union(p, q)
+    for p, op in enumerate(ops):
+        for t in op.tied_to:
+            q = pos.get(t) if t >= 0 else None
+            if q is None:
+                forced_save[p] = True  # reads an outside storage overwritten later: recomputing it reads the new value
+            else:
+                union(p, q)
     rand = [p for p, op in enumerate(ops) if op.is_random]
     if force_store_random:
         for p in rand:
@@ -114,3 +127,28 @@ def split_groups(
         else:
             never.append(g)
     return always, free, never
+
+
+def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int], ...] | None:
+    """``(index, name, occurrence)`` of the ops every save list keeps, when a plain checkpoint would not keep
+    them: ``None`` unless an op reads an outside storage that is overwritten later (``tied_to`` holds ``-1``).
+
+    ``apply`` saves in-place writes into outside tensors by itself (they are found at run time), but not the
+    ops that read such a tensor before it is overwritten, so a full checkpoint of such a module must name them.
+    """
+    if not any(-1 in op.tied_to for op in ops):
+        return None
+    keep = sorted(p for g in op_groups(ops, False, stop) if g.fixed == 1 for p in g.members)
+    return tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in keep)
+
+
+def named_saves(ops: Sequence[OpStat], stop: int, keys: Collection[tuple[str, int]]) -> tuple[tuple[int, str, int], ...]:
+    """``(index, name, occurrence)`` of the ops a save list of ``(family, occurrence)`` keys saves: every group
+    with a named member, whole (a group saved in part is not safe), and the ops every save list keeps;
+    groups holding a view are never saved."""
+    named = op_keys(ops)
+    keep = {p for g in op_groups(ops, False, stop) if g.fixed is None and any(named[p] in keys for p in g.members)
+            for p in g.members}
+    out = {(ops[p].index, ops[p].name, ops[p].occurrence) for p in keep}
+    out.update(forced_saves(ops, stop) or ())
+    return tuple(sorted(out))

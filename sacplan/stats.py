@@ -111,6 +111,9 @@ class OpStat:
             A selective recomputation holds every saved tensor from its start, so where saved tensors made
             *after* an op outweigh this headroom, recomputation peaks above the forward
             (:func:`~sacplan.tradeoff.recompute_surge`).
+        tied_to: indices of the ops whose save decision this op must share because it reads a storage that an
+            in-place op overwrites later in the forward (``-1``: it must always be saved); see
+            :mod:`sacplan.collector.mutations`. Empty for stats from older versions.
     """
 
     index: int
@@ -126,13 +129,16 @@ class OpStat:
     is_output: bool = False
     save_cost_bytes: int = 0
     below_peak_bytes: int | None = None
+    tied_to: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "OpStat":
-        return cls(**dict(d))
+        kw = dict(d)
+        kw["tied_to"] = tuple(int(t) for t in kw.get("tied_to", ()))  # a JSON list
+        return cls(**kw)
 
 
 @dataclass(frozen=True)

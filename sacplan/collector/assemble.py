@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sacplan.collector.kernels import host_state_tensors
+from sacplan.collector.mutations import StorageWrites
 from sacplan.collector.records import GRAD, OPT, PARAM, CallRecord
 from sacplan.collector.tracker import StepRecorder
 from sacplan.devices import DeviceSpec
@@ -25,7 +26,8 @@ def _snap(cats: tuple[int, ...]) -> MemSnapshot:
     return MemSnapshot(**dict(zip(CATEGORIES, cats)))
 
 
-def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ...], int]:
+def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...]]) -> tuple[tuple[OpStat, ...], int]:
+    """The :class:`OpStat` s of one call (``ties``: per op, see :meth:`StorageWrites.ties`) and its recompute stop."""
     ops = recorder.ops[rec.op_start : rec.op_end]
     packed = recorder.packed_sids
     out_sids = set(rec.out_sids)
@@ -52,11 +54,25 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder) -> tuple[tuple[OpStat, ..
                 index=k, name=name, occurrence=occ, out_bytes=o.new_bytes, runtime_ms=o.ms, flops=o.flops,
                 is_view=o.is_view, is_random=o.is_random, inplace_of=parent, saved_by_autograd=saved,
                 is_output=is_out, save_cost_bytes=cost if not o.is_view else 0,
-                below_peak_bytes=max(0, peak - o.live),
+                below_peak_bytes=max(0, peak - o.live), tied_to=ties[k] if k < len(ties) else (),
             )
         )
     stop = max(0, rec.last_pack - rec.op_start) if rec.last_pack >= 0 else 0
     return tuple(result), min(stop, len(result))
+
+
+def _call_ties(recs: list[CallRecord], recorder: StepRecorder, writes: StorageWrites) -> list[tuple[int, ...]]:
+    """Per op of a module's calls, the ops it is tied to in any call running the same op sequence as the first
+    (one plan serves every call, so it must be safe for each; see :mod:`sacplan.collector.mutations`)."""
+    first = recs[0]
+    names = [o.func for o in recorder.ops[first.op_start : first.op_end]]
+    merged: list[list[int]] = [[] for _ in names]
+    for r in recs:
+        if r is not first and [o.func for o in recorder.ops[r.op_start : r.op_end]] != names:
+            continue
+        for k, tied in enumerate(writes.ties(r.op_start, r.op_end)):
+            merged[k].extend(t for t in tied if t not in merged[k])
+    return [tuple(t) for t in merged]
 
 
 def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer | None, spec: DeviceSpec) -> dict[str, tuple[int, int, int]]:
@@ -122,18 +138,23 @@ def build_stats(
         by_fqn.setdefault(rec.fqn, []).append(rec)
     has_children = {rec.parent.fqn for rec in recorder.calls if rec.parent is not None}
     static = _static_bytes(model, opt, spec)
+    writes = StorageWrites(recorder.ops)
     modules = []
     for fqn, recs in by_fqn.items():
         first = recs[0]
-        ops, stop = _op_stats(first, recorder)
+        ties = _call_ties(recs, recorder, writes)
+        ops, stop = _op_stats(first, recorder, ties)
         tradeoff = build_tradeoff(ops, first.act_kept, stop, max_lines)
+        if any(writes.overwrites_arguments(r.arg_keys, r.op_start, r.op_end) for r in recs):
+            tradeoff = None  # never a checkpoint region (sacplan.collector.mutations)
         discardable = []
         for r in recs:
             if r is first:
                 discardable.append(tradeoff.max_discard_bytes if tradeoff is not None else 0)
             else:
-                o2, s2 = _op_stats(r, recorder)
-                t2 = build_tradeoff(o2, r.act_kept, s2, max_lines)
+                same = r.op_end - r.op_start == len(ties)
+                o2, s2 = _op_stats(r, recorder, ties if same else writes.ties(r.op_start, r.op_end))
+                t2 = build_tradeoff(o2, r.act_kept, s2, max_lines) if tradeoff is not None else None
                 discardable.append(t2.max_discard_bytes if t2 is not None else 0)
         pb, gb, ob, bb = static.get(fqn, (0, 0, 0, 0))
         snaps = []

@@ -108,6 +108,7 @@ class ModuleCallHooks(StorageAccounting):
             input_bytes=tensor_bytes_of(inputs, self.spec),
             input_external_bytes=self._external_bytes(inputs),
             input_keys=self._activation_keys(inputs),
+            arg_keys=self.read_keys(inputs),
         )
         self.calls.append(rec)
         self.fw_stack.append(rec)
@@ -156,6 +157,7 @@ class ModuleCallHooks(StorageAccounting):
             rec.input_bytes = tensor_bytes_of((inputs, kwargs), self.spec)
             rec.input_external_bytes = self._external_bytes((inputs, kwargs))
             rec.input_keys = self._activation_keys((inputs, kwargs))
+            rec.arg_keys = self.read_keys((inputs, kwargs))
             flat, _ = tree_flatten(kwargs)
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
                 self._register_bw_post(mod, fqn, (inputs, kwargs), rec)

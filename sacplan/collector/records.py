@@ -35,6 +35,10 @@ class OpRecord:
     out_new: tuple[int, ...] = ()
     #: live bytes just after the op (outputs allocated, inputs not yet released) plus its kernel scratch
     live: int = 0
+    #: storage keys of the op's tensor arguments as they were before it ran (untracked storages by ``-id``;
+    #: see ``StorageAccounting.read_keys``), and for an in-place op the keys of the storages it writes, likewise
+    in_sids: tuple[int, ...] = ()
+    writes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -69,6 +73,8 @@ class CallRecord:
     input_external_bytes: int = 0
     #: ``(storage key, bytes)`` of the tracked activation storages among the call's tensor inputs
     input_keys: tuple[tuple[int, int], ...] = ()
+    #: keys of every storage among the call's tensor arguments (``StorageAccounting.read_keys``)
+    arg_keys: tuple[int, ...] = ()
     output_bytes: int = 0
     fw_ms: float = 0.0
     bw_ms: float = 0.0

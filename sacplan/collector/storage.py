@@ -132,6 +132,16 @@ class StorageAccounting:
         info = self.storages.get(id(st))
         return None if info is None else info[2]
 
+    def read_keys(self, tensors: Any) -> tuple[int, ...]:
+        """Keys of the storages of the tensors in a pytree: tracked ones by :meth:`storage_key`, the step's
+        untracked ones (its example inputs, parameters) by ``-id`` (they outlive the forward, so the id is
+        theirs for the whole step)."""
+        keys = []
+        for st in storages_of(tensors):
+            k = self.storage_key(st)
+            keys.append(-id(st) if k is None else k)
+        return tuple(dict.fromkeys(keys))
+
     def _free(self, sid: int) -> None:
         info = self.storages.pop(sid, None)
         if info is not None:

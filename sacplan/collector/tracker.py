@@ -99,6 +99,11 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         if func in IGNORED_OPS:
             return out
         is_view, is_inplace = op_kind(func)
+        reads: tuple[int, ...] = ()
+        writes: tuple[int, ...] = ()
+        if self.recording and not self.in_optimizer and torch._C._current_graph_task_id() == -1:
+            reads = self.read_keys((args, kwargs))  # before this op registers its outputs
+            writes = self.read_keys(out) if is_inplace else ()
         new_bytes = 0
         out_sids = []
         in_bw = torch._C._current_graph_task_id() != -1
@@ -157,7 +162,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
             for sid in out_sids:
                 self.sid_creator.setdefault(sid, g)
             self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent, tuple(out_new),
-                                     self.total + ws))
+                                     self.total + ws, reads, writes))
             for rec in self.fw_stack:
                 rec.fw_ms += ms
                 rec.fw_flops += flops

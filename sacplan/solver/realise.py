@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
+from sacplan.opgroups import forced_saves
 from sacplan.plan import ModuleDecision
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.ops import max_saved_bytes_for, select_ops
@@ -78,7 +79,7 @@ def realise(
                     discard_bytes=A,
                     recompute_ms=c.calls * c.recompute_ms,
                     recompute_flops=c.calls * int(t.full_recompute_flops),
-                    saved_ops=None,
+                    saved_ops=forced_saves(st.ops, st.recompute_stop),
                     calls=c.calls,
                 )
             )
@@ -107,7 +108,7 @@ def realise(
                     discard_bytes=discard,
                     recompute_ms=c.cost(float(r_real[s])),
                     recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real[s])))),
-                    saved_ops=None,
+                    saved_ops=forced_saves(st.ops, st.recompute_stop),
                     calls=c.calls,
                 )
             )
