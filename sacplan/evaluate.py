@@ -124,9 +124,7 @@ def event_peaks(
     :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU)
     and its :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs the checkpoint holds), from its forward
     to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`); at its rc events the
-    recompute transient (``extra_bytes``), the same RNG-state size again (``torch.utils.checkpoint`` recomputes
-    under ``torch.random.fork_rng``, which copies the current state for the length of the recomputation) plus
-    ``surges[fqn]`` (bytes a selective recomputation peaks above
+    recompute transient (``extra_bytes``) plus ``surges[fqn]`` (bytes a selective recomputation peaks above
     the forward, :attr:`ModuleOutcome.surge_bytes`). ``timeline``: ``Timeline.of(tree.stats, world_size)`` when
     the caller has it already.
     """
@@ -150,7 +148,7 @@ def event_peaks(
     added = tl.held(bw_kept)
     for i, (ph, fqn) in enumerate(zip(tl.phase, tl.module)):
         if ph == RC and fqn in discards:
-            added[i] += tl.extra[i] + surges.get(fqn, 0) + ck  # + the RNG state fork_rng copies while recomputing
+            added[i] += tl.extra[i] + surges.get(fqn, 0)
     return [int(math.ceil(m - 1e-6)) for m in tl.peaks(freed(tl.fw_entries), freed(tl.bw_entries), added)]
 
 

@@ -123,9 +123,8 @@ class SacProblem:
                             sl = int(self.bw_slot[q])
                             terms[sl] = terms.get(sl, 0.0) + float(self.bw_over[q])
                 s = slot_by_fqn.get(tl.module[i], -1) if ph == RC else -1
-                # recomputing runs under torch.random.fork_rng: a copy of the RNG state (ck_overhead) lives meanwhile
-                if s >= 0 and tl.extra[i] + self.ck_overhead > 0:
-                    terms[s] = terms.get(s, 0.0) + float(tl.extra[i]) + self.ck_overhead
+                if s >= 0 and tl.extra[i] > 0:
+                    terms[s] = terms.get(s, 0.0) + float(tl.extra[i])
                 if s >= 0 and max(self.surge(s), default=0) > 0:
                     self.ev_surge[i] = s
                     terms[s] = terms.get(s, 0.0)  # an rc row even where the full recomputation adds nothing
