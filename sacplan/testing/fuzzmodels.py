@@ -143,6 +143,7 @@ class Grammar:
         inplace_acts: activations that may run in place.
         conv_acts: activations after a conv block's BatchNorm.
         losses: losses of feature models (``LOSSES``).
+        norm_options: ``norm`` variants (0 LayerNorm, 1 RMSNorm, 2 BatchNorm1d).
         max_layers: layers of the body (at least 1).
         max_depth: container nesting.
     """
@@ -151,6 +152,7 @@ class Grammar:
     inplace_acts: tuple[str, ...] = ACTIVATIONS
     conv_acts: tuple[str, ...] = ACTIVATIONS
     losses: tuple[str, ...] = LOSSES
+    norm_options: tuple[int, ...] = (0, 1, 2)
     max_layers: int = 5
     max_depth: int = 2
 
@@ -165,17 +167,18 @@ def draw_layer(pick: Picker, dim: int, depth: int, grammar: Grammar = Grammar())
     kv = pick.choice([k for k in (1, 2, 4) if heads % k == 0])
     act = pick.choice(grammar.conv_acts if kind in ("conv1d", "conv2d") else ACTIVATIONS)
     inplace = pick.choice((False, True)) and act in grammar.inplace_acts
-    return Layer(kind, act=act, inplace=inplace, option=pick.integer(0, OPTIONS[kind] - 1),
+    option = pick.choice(grammar.norm_options) if kind == "norm" else pick.integer(0, OPTIONS[kind] - 1)
+    return Layer(kind, act=act, inplace=inplace, option=option,
                  dropout=pick.choice((0.0, 0.25)), heads=heads, kv_heads=kv)
 
 
 def draw_spec(pick: Picker, grammar: Grammar = Grammar()) -> ModelSpec:
     """A random :class:`ModelSpec` of ``grammar`` (tiny: a CPU step takes milliseconds)."""
-    dim = pick.choice((32, 64))
+    dim = pick.choice((64, 128))
     n = pick.integer(1, grammar.max_layers)
     layers = tuple(draw_layer(pick, dim, grammar.max_depth, grammar) for _ in range(n))
-    return ModelSpec(layers=layers, dim=dim, batch=pick.integer(2, 4), seq=pick.choice((16, 32)),
-                     vocab=pick.choice((0, 64)), tie=pick.choice((False, True)),
+    return ModelSpec(layers=layers, dim=dim, batch=pick.integer(2, 4), seq=pick.choice((32, 64)),
+                     vocab=pick.choice((0, 128)), tie=pick.choice((False, True)),
                      kwargs_inputs=pick.choice((False, True)), seed=pick.integer(0, 2**16),
                      loss=pick.choice(grammar.losses))
 
