@@ -6,15 +6,16 @@ allocator for the duration of the call, which raise the peak (``torch.profiler``
 recorder adds them to the current segment's peak as transient ``temp`` bytes.
 
 * Host CPU target (``DeviceSpec.name == "CPU"``, used to validate on this host): the workspace of the ops in
-  :data:`WORKSPACE_OPS` is *measured*: the op runs once on random tensors of the same shapes and strides
-  under ``torch.profiler`` (allocator events), and the peak above its outputs is cached per op signature —
-  the same way benchmark mode times ops on the device it plans for. oneDNN convolutions reorder inputs,
-  weights and outputs into blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32);
-  ``_safe_softmax`` (the math attention path) builds boolean masks; fused RMS norm keeps an input-sized
-  temporary; the CPU flash attention kernels keep per-thread blocks of scores and fp32 accumulators (their
-  size follows the intra-op thread count, measured with the current one); matrix products copy an operand BLAS cannot read in place (a stride-0 gradient expanded from a
-  ``sum`` / ``mean``; only such signatures are measured). Signatures whose tensors exceed
+  :data:`WORKSPACE_OPS` is *measured*: the op runs once on random tensors of the same shapes and strides under
+  ``torch.profiler`` (allocator events), and the peak above its outputs is cached per op signature — the same way
+  benchmark mode times ops on the device it plans for. oneDNN convolutions reorder inputs, weights and outputs into
+  blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32); ``_safe_softmax`` (the math
+  attention path) builds boolean masks; fused RMS norm keeps an input-sized temporary; the CPU flash attention
+  kernels keep per-thread blocks of scores and fp32 accumulators (their size follows the intra-op thread count,
+  measured with the current one); matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
+  expanded from a ``sum`` / ``mean``; only such signatures are measured). Signatures whose tensors exceed
   :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
+
 * CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
   ``expect_contiguous()`` copies of a non-contiguous input / output gradient; ``_safe_softmax`` is composite
   (``softmax``, then ``eq(-inf)`` → a bool tensor of the input's size and ``all(dim)`` → one bool per row,

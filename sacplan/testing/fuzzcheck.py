@@ -1,11 +1,11 @@
 """Differential check of one fuzz model (:mod:`sacplan.testing.fuzzmodels`): sacplan's plans against the model's
 own unplanned CPU step.
 
-For a :class:`~sacplan.testing.fuzzmodels.ModelSpec` (built by :mod:`sacplan.testing.fuzzmodules`): one real unplanned step first (a model torch itself refuses,
-e.g. an in-place activation overwriting a value its producer's backward needs, raises :class:`InvalidModel`:
-not sacplan's concern), then ``collect`` on fakes for the CPU spec (fp32, no optimizer: at fuzz sizes parameters
-would hold the peak), ``min_feasible_budget`` and the no-checkpointing peak, and for each budget fraction
-``f`` the plan ``solve(tree, lo + f·(hi − lo))`` checked by:
+For a :class:`~sacplan.testing.fuzzmodels.ModelSpec` (built by :mod:`sacplan.testing.fuzzmodules`): one real
+unplanned step first (a model torch itself refuses, e.g. an in-place activation overwriting a value its producer's
+backward needs, raises :class:`InvalidModel`: not sacplan's concern), then ``collect`` on fakes for the CPU spec
+(fp32, no optimizer: at fuzz sizes parameters would hold the peak), ``min_feasible_budget`` and the no-checkpointing
+peak, and for each budget fraction ``f`` the plan ``solve(tree, lo + f·(hi − lo))`` checked by:
 
 * :func:`sacplan.validation.validate` (real CPU steps without and with the plan): gradients bitwise equal,
   measured peak within 1% of the prediction for this host, recomputed FLOPs (``FlopCounterMode``, planned step

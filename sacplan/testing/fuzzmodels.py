@@ -1,8 +1,8 @@
 """A grammar of small random models for differential fuzzing of sacplan (see :mod:`sacplan.testing.fuzzcheck`).
 
-A model is described by a :class:`ModelSpec` — plain frozen data, so a failing example prints as a literal that
-a regression test can paste — and built by :func:`sacplan.testing.fuzzmodules.build_model`. Every layer maps a ``(batch, seq, dim)`` tensor
-to one of the same shape, so layers compose freely:
+A model is described by a :class:`ModelSpec` — plain frozen data, so a failing example prints as a literal that a
+regression test can paste — and built by :func:`sacplan.testing.fuzzmodules.build_model`. Every layer maps a
+``(batch, seq, dim)`` tensor to one of the same shape, so layers compose freely:
 
 * ``linear`` — ``Linear`` followed by an activation *module* (ReLU / SiLU / Hardswish / GELU, optionally
   ``inplace=True``: the activation is then a module alone, a checkpoint unit of its own);
@@ -21,9 +21,9 @@ to one of the same shape, so layers compose freely:
 * containers ``seq`` / ``list`` / ``dict`` / ``residual`` nesting other layers.
 
 The modules are in :mod:`sacplan.testing.fuzzmodules` (:func:`~sacplan.testing.fuzzmodules.build_model`,
-``make_inputs``, ``loss_fn``). The model has an input stage (``Embedding`` of token ids, or ``Linear`` of features), the body and a head; with
-``tie`` the head shares the embedding's weight (or, with features, a ``Linear`` of the body shares the first
-one's). Inputs are keyword arguments when ``kwargs_inputs``.
+``make_inputs``, ``loss_fn``). The model has an input stage (``Embedding`` of token ids, or ``Linear`` of features),
+the body and a head; with ``tie`` the head shares the embedding's weight (or, with features, a ``Linear`` of the
+body shares the first one's). Inputs are keyword arguments when ``kwargs_inputs``.
 
 Drawing: :func:`draw_spec` takes a :class:`Picker` (integers and choices), so the same grammar serves
 hypothesis (whose picks shrink: the first option and the lower bound are the simplest) and a plain seeded
@@ -155,6 +155,24 @@ class Grammar:
     norm_options: tuple[int, ...] = (0, 1, 2)
     max_layers: int = 5
     max_depth: int = 2
+
+
+#: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: everything, less the
+#: constructs whose failures are open in another area, each pinned by a strict-xfail test in
+#: tests/fuzz/test_regressions.py (put them back when those tests XPASS):
+#: * conv blocks' activations other than ReLU: the fake ``native_batch_norm_backward`` returns the layout of its
+#:   output gradient where the CPU kernel returns a contiguous one (test_batchnorm_backward_layout).
+#: * ``F.mse_loss``: its CPU kernel returns a 0-d view of the unreduced loss (test_mse_loss_output_storage).
+#: * BatchNorm1d as a ``norm`` layer: in a region with it, a saved ``addmm`` after it runs again on recomputation
+#:   (recomputed FLOPs over the plan's; test_*_recomputes_a_saved_matmul).
+#: Model sizes (draw_spec) put peaks near 1 MiB and up, where the one fixed CPU-only constant left out of the
+#: memory model (the 5,056-byte RNG-state copy made while recomputing, test_recomputation_copies_the_rng_state)
+#: stays under the 1% tolerance; the regression tests pin it at the small sizes where it shows.
+CHECKED = Grammar(
+    conv_acts=("relu",),
+    losses=("square", "mean"),
+    norm_options=(0, 1),
+)
 
 
 def draw_layer(pick: Picker, dim: int, depth: int, grammar: Grammar = Grammar()) -> Layer:
