@@ -33,7 +33,7 @@ hypothesis (whose picks shrink: the first option and the lower bound are the sim
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -48,7 +48,17 @@ OPTIONS = {"linear": 2, "mlp": 4, "conv1d": 2, "conv2d": 2, "norm": 3, "attentio
            "custom": 1, "twice": 2, "buffers": 2, "kwargs": 2}
 
 
-@dataclass(frozen=True)
+def _short_repr(obj: Any) -> str:
+    """``Class(field=value, ...)`` with only the fields that differ from their defaults (pasteable, short)."""
+    parts = [f"{f.name}={getattr(obj, f.name)!r}" for f in fields(obj) if getattr(obj, f.name) != _default(f)]
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+def _default(f: Any) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+@dataclass(frozen=True, repr=False)
 class Layer:
     """One layer of a fuzz model (see the module docstring for kinds and options).
 
@@ -71,6 +81,8 @@ class Layer:
     kv_heads: int = 1
     children: tuple["Layer", ...] = ()
 
+    __repr__ = _short_repr
+
     def walk(self) -> "Iterator[Layer]":
         """This layer and every layer nested in it, in pre-order."""
         yield self
@@ -78,7 +90,7 @@ class Layer:
             yield from c.walk()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ModelSpec:
     """A whole fuzz model and its inputs.
 
@@ -104,6 +116,8 @@ class ModelSpec:
     kwargs_inputs: bool = False
     seed: int = 0
     loss: str = "square"
+
+    __repr__ = _short_repr
 
     def walk(self) -> "Iterator[Layer]":
         """Every layer of the body, nested ones included, in pre-order."""
