@@ -5,10 +5,14 @@ Usage::
     python3 benchmarks/plans_snapshot.py before.json     # on the old commit
     python3 benchmarks/plans_snapshot.py after.json      # on the new one
     python3 benchmarks/plans_snapshot.py --compare before.json after.json
+    python3 benchmarks/plans_snapshot.py --conformance before.json   # also the tiny conformance models
 
 Per tree (4 blocks; 8 blocks collected for 2 ranks) and budget (10%, 50%, 90% of the way from the minimum feasible
 budget to the no-checkpointing peak): the predicted peak (bytes), the recompute ms (9 digits) and every decision's
 module and discard ratio, plus the same budget planned for one rank (its peak, or the infeasibility message).
+With ``--conformance``, also the tiny third-party models of tests/conformance (collected on fakes, as the suite
+does), at the suite's three budgets, at gap 2% (the suite's) and at the default gap, with the default work limit (and a
+120 s wall-clock safety net).
 `--compare` prints the keys that differ (saying when the recompute ms is equal: a tie broken differently) and exits 1
 if any does.
 """
@@ -42,8 +46,44 @@ def snapshot() -> dict[str, object]:
     return out
 
 
+def conformance_snapshot() -> dict[str, object]:
+    """The tiny conformance models' plans (tests/conformance's registry and budgets)."""
+    import importlib.util
+    from pathlib import Path
+
+    from sacplan.solver import solve
+
+    root = Path(__file__).resolve().parents[1] / "tests" / "conformance"
+    sys.path.insert(0, str(root))
+    import conftest  # noqa: F401  (torchvision op schemas before anything imports torchvision)
+
+    spec = importlib.util.spec_from_file_location("conformance_suite", root / "test_conformance.py")
+    tc = importlib.util.module_from_spec(spec)
+    sys.modules["conformance_suite"] = tc
+    spec.loader.exec_module(tc)
+    out: dict[str, object] = {}
+    for name in tc.CASES:
+        try:
+            _, tree, budgets = tc._setup(name)
+        except Exception as e:  # a library missing here: say so, the other models still count
+            out[f"{name}"] = f"not collected: {type(e).__name__}"
+            continue
+        for b, v in budgets.items():
+            for gap in (0.02, 1e-4):
+                # the default work limit ends the search; the wall clock (120 s) only as the safety net, which
+                # the entry names when it fired (then the plan depends on the load: not comparable)
+                p = solve(tree, v, gap_rel=gap, time_limit_s=120)
+                out[f"{name} {b} gap {gap}"] = [p.predicted_peak_bytes, round(p.recompute_ms, 9), p.status,
+                                                 sorted((d.fqn, round(d.discard_ratio, 9)) for d in p.decisions),
+                                                 p.meta.get("stopped_by", [])]
+    return out
+
+
 def main() -> int:
     warnings.simplefilter("ignore")
+    conformance = "--conformance" in sys.argv
+    if conformance:
+        sys.argv.remove("--conformance")
     if sys.argv[1:2] == ["--compare"]:
         a, b = (json.load(open(p)) for p in sys.argv[2:4])
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -55,7 +95,10 @@ def main() -> int:
         if not diff:
             print(f"all {len(a)} entries equal")
         return 1 if diff else 0
-    json.dump(snapshot(), open(sys.argv[1], "w"), indent=0)
+    out = snapshot()
+    if conformance:
+        out.update(conformance_snapshot())
+    json.dump(out, open(sys.argv[1], "w"), indent=0)
     return 0
 
 

@@ -7,6 +7,14 @@ Usage::
     python benchmarks/solver_scaling.py --collected           # also real trees from sacplan.collect
     python benchmarks/solver_scaling.py --issue14             # issue 14's cells (llama-small x48, README sweep, 8B ws8)
                                                               # (Llama-7B shape, planned for 8 FSDP ranks)
+    python benchmarks/solver_scaling.py --user-trees          # issue 26's third-party trees (below)
+    python benchmarks/solver_scaling.py --user-trees --only bert-large --cache /tmp/trees
+
+``--user-trees``: the trees users bring (issue 26), collected on fakes for an H100 (bf16, AdamW) from the libraries'
+config objects, planned at the budget midway between the minimum feasible and the no-AC peak: with the default
+settings (deterministic work limit, 60 s safety net: seconds, status, gap, who proved it, nodes, what stopped it)
+and side by side without a work limit up to ``--proof-limit`` seconds (the time to a proof). Timings are wall
+seconds of this host: run it on a quiet machine.
 
 Trees: synthetic Llama-7B-shaped models (``sacplan/testing/llama_tree.py:llama_spec``; the per-module bytes and
 milliseconds are derived in its docstring: hidden 4096, seq 4096, batch 1, bf16, flash attention, H100-SXM,
@@ -243,6 +251,139 @@ def issue14(args) -> None:
                       flush=True)
 
 
+def _hf_build(cls_name: str, cfg_name: str, **cfg):
+    def build():
+        import transformers
+
+        c = getattr(transformers, cfg_name)(**cfg)
+        c._attn_implementation = "sdpa"
+        return getattr(transformers, cls_name)(c)
+
+    return build
+
+
+def user_trees() -> dict[str, dict]:
+    """Issue 26's trees: name -> build (factory), inputs (factory), loss (model, args) -> scalar."""
+    import torch
+
+    def lm(vocab: int, batch: int, seq: int) -> dict:
+        return dict(inputs=lambda: (torch.randint(0, vocab, (batch, seq)),),
+                    loss=lambda m, a: m(input_ids=a[0], labels=a[0]).loss)
+
+    def image(batch: int, size: int = 224, classes: int = 1000, hf: bool = False) -> dict:
+        def loss(m, a):
+            if hf:
+                return m(pixel_values=a[0], labels=a[1]).loss
+            return torch.nn.functional.cross_entropy(m(a[0]).float(), a[1])
+
+        return dict(inputs=lambda: (torch.randn(batch, 3, size, size, dtype=torch.bfloat16),
+                                    torch.randint(0, classes, (batch,))), loss=loss)
+
+    def timm_model(name: str, **kw):
+        def build():
+            import timm
+
+            return timm.create_model(name, pretrained=False, **kw)
+
+        return build
+
+    def nn_transformer():
+        return torch.nn.Transformer(d_model=1024, nhead=16, num_encoder_layers=12, num_decoder_layers=12,
+                                    dim_feedforward=4096, batch_first=True)
+
+    seq_pair = dict(inputs=lambda: (torch.randn(8, 512, 1024, dtype=torch.bfloat16),
+                                    torch.randn(8, 512, 1024, dtype=torch.bfloat16)),
+                    loss=lambda m, a: m(a[0], a[1]).float().pow(2).mean())
+    return {
+        "bert-large b8 s512": dict(build=_hf_build("BertForMaskedLM", "BertConfig", hidden_size=1024,
+                                                   num_hidden_layers=24, num_attention_heads=16,
+                                                   intermediate_size=4096), **lm(30522, 8, 512)),
+        "vit-l (timm) b64": dict(build=timm_model("vit_large_patch16_224"), **image(64)),
+        "convnext-base (timm) b64": dict(build=timm_model("convnext_base"), **image(64)),
+        "gemma-2-2b s8192": dict(build=_hf_build("Gemma2ForCausalLM", "Gemma2Config", hidden_size=2304,
+                                                 intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                                                 num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                                 use_cache=False), **lm(256000, 1, 8192)),
+        "gpt2-xl b4 s1024": dict(build=_hf_build("GPT2LMHeadModel", "GPT2Config", n_embd=1600, n_layer=48, n_head=25,
+                                                 n_positions=1024, use_cache=False), **lm(50257, 4, 1024)),
+        "vit-l (transformers) b64": dict(build=_hf_build("ViTForImageClassification", "ViTConfig", hidden_size=1024,
+                                                         num_hidden_layers=24, num_attention_heads=16,
+                                                         intermediate_size=4096, num_labels=1000),
+                                         **image(64, hf=True)),
+        "nn.Transformer 12+12 d1024 b8 s512": dict(build=nn_transformer, **seq_pair),
+        "t5-large b8 s512": dict(build=_hf_build("T5ForConditionalGeneration", "T5Config", d_model=1024, d_ff=4096,
+                                                 d_kv=64, num_layers=24, num_heads=16, use_cache=False,
+                                                 decoder_start_token_id=0), **lm(32128, 8, 512)),
+        "mobilenetv3 (timm) b8 64px": dict(build=timm_model("mobilenetv3_large_100"), **image(8, 64)),
+        "convnext-atto (timm) b8 64px": dict(build=timm_model("convnext_atto"), **image(8, 64)),
+    }
+
+
+def _user_tree(name: str, spec: dict, cache: str | None):
+    """The collected tree of one user model (from ``cache`` when there; pickled there after collecting)."""
+    import pickle
+
+    import torch
+
+    from sacplan.collector import collect
+    from sacplan.tree import ModuleTree
+
+    path = None if cache is None else os.path.join(cache, name.replace(" ", "_").replace("/", "_") + ".pkl")
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    def step(model, args, opt):
+        spec["loss"](model, args).backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    stats = collect(spec["build"], spec["inputs"], device="h100", dtype=torch.bfloat16, train_step=step,
+                    model_name=name)
+    tree = ModuleTree(stats)
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(tree, f)
+        os.replace(path + ".tmp", path)
+    return tree
+
+
+def user_trees_table(args) -> None:
+    """Issue 26's table: each user tree at its midway budget, default settings and to a proof, side by side."""
+    from sacplan.solver import SolverOptions, min_feasible_budget
+
+    conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "conformance")
+    sys.path.insert(0, conf)
+    import conftest  # noqa: F401  (torchvision's op schemas before timm imports torchvision)
+
+    warnings.simplefilter("ignore")
+    print(f"# python {sys.version.split()[0]}; {os.cpu_count()} CPUs; proof limit {args.proof_limit:g} s")
+    print("| tree | candidates | default: s | status / gap | proved by | nodes | stopped by | "
+          f"no work limit (<= {args.proof_limit:g} s): s | status / gap |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, spec in user_trees().items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        try:
+            tree = _user_tree(name, spec, args.cache)
+            lo, hi = min_feasible_budget(tree), baseline_peak(tree)
+            budget = f"{int(lo + (hi - lo) // 2)}B"
+            cells = []
+            for opts in (SolverOptions(), SolverOptions(work_limit=None, time_limit_s=args.proof_limit)):
+                t0 = time.perf_counter()
+                p = solve(tree, budget, options=opts)
+                cells.append((time.perf_counter() - t0, p))
+        except Exception as e:  # the table says which trees fail and why
+            print(f"| {name} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]} |", flush=True)
+            continue
+        (s1, p1), (s2, p2) = cells
+        print(f"| {name} | {p1.meta.get('candidates')} | {s1:.1f} | {p1.status} {p1.gap:.2%} | "
+              f"{p1.meta.get('proved_by')} | {p1.meta.get('work_nodes')} | {', '.join(p1.meta.get('stopped_by', [])) or '-'} "
+              f"| {s2:.1f} | {p2.status} {p2.gap:.2%} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", default="2,8,32,80,128", help="comma-separated block counts")
@@ -258,10 +399,17 @@ def main(argv=None) -> int:
         "--collected-world-size", type=int, default=8,
         help="plan collected trees for this many FSDP ranks (at 1 rank AdamW state dominates a 7B-shaped model)",
     )
+    ap.add_argument("--user-trees", action="store_true", help="only issue 26's third-party trees (see user_trees)")
+    ap.add_argument("--only", nargs="*", help="with --user-trees: trees whose name contains one of these")
+    ap.add_argument("--cache", default=None, help="with --user-trees: a folder to keep collected trees in")
+    ap.add_argument("--proof-limit", type=float, default=120.0, help="with --user-trees: s for the no-work-limit run")
     ap.add_argument("--issue14", action="store_true", help="only issue 14's cells (see ISSUE14_CELLS)")
     ap.add_argument("--issue14-solvers", default="highs,cbc", help="solvers for --issue14")
     ap.add_argument("--issue14-dp", default="on,off", help="--issue14 with the tree DP (on) and/or without it (off)")
     args = ap.parse_args(argv)
+    if args.user_trees:
+        user_trees_table(args)
+        return 0
     if args.issue14:
         issue14(args)
         return 0

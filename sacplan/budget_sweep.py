@@ -211,6 +211,11 @@ def _sweep(
         left = remaining(None if time_limit_s is None else time_limit_s - (time.monotonic() - t0))
         return None if left is None else left / max(1, k_left)
 
+    # each solve's deterministic work budget: an even share of the sweep's, fixed in advance (the wall-clock
+    # shares above are the safety net), so the sweep gives the same rows on every run
+    work = None if opts.work_limit is None else max(1, opts.work_limit // n_solves)
+    opts = opts.replace(work_limit=work)
+
     base = baseline_peak(tree, world_size=world_size)
     mf = min_feasible_budget(tree, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units,
                              options=opts.replace(time_limit_s=share(n_solves)))

@@ -255,11 +255,17 @@ class Plan:
         return self.summary()
 
     # -- dict round trip ----------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (``from_dict`` inverts it)."""
+    def to_dict(self, *, timings: bool = True) -> dict[str, Any]:
+        """A JSON-able dict (``from_dict`` inverts it). ``timings=False`` writes the wall-clock figures
+        (``build_s``, ``solve_s``, ``meta["timing_s"]``) as 0 / absent: what is left is the same, byte for byte, on
+        every run and rank that plans the same stats and budget (issue 26)."""
         d: dict[str, Any] = {"schema": "sacplan.plan", "version": PLAN_SCHEMA_VERSION}
         for f in fields(self):
             v = getattr(self, f.name)
+            if not timings and f.name in ("build_s", "solve_s"):
+                v = 0.0
+            elif not timings and f.name == "meta":
+                v = {k: x for k, x in v.items() if k != "timing_s"}
             if f.name == "decisions":
                 v = [x.to_dict() for x in v]
             elif f.name in ("per_module_peak",):

@@ -25,7 +25,8 @@ from sacplan.collector.assemble import build_stats
 from sacplan.collector.calling import as_loss
 from sacplan.collector.materialise import ModelArg, build_fake_model, make_inputs
 from sacplan.collector.runtime import RuntimeModel
-from sacplan.collector.step import TrainStep, failure_hint, run_step  # noqa: F401
+from sacplan.collector.hints import failure_hint  # noqa: F401
+from sacplan.collector.step import TrainStep, run_step  # noqa: F401
 from sacplan.devices import DeviceSpec, get_device
 from sacplan.errors import ConfigError, UnsupportedModelError
 from sacplan.stats import ModelStats

@@ -92,6 +92,20 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
         "2-D input or no affine: host path, as CUDA (its own native kernel)",
     ),
     KernelRow(
+        "flex_attention (torch.nn.attention.flex_attention), training",
+        "no CPU backward (flex_attention refuses inputs that require grad on CPU)",
+        "fused Triton kernel: out (B,Hq,L,Ev) + log-sum-exp (B,Hq,L) fp32; saves q, k, v, out, lse, block mask",
+        "routed to the fused SDPA kernel sdpa_backend picks (sacplan/collector/flex.py): the same saved bytes "
+        "(efficient: lse padded to 32 rows); dense-attention FLOPs; grouped K/V copied (the kernel reads them in place)",
+    ),
+    KernelRow(
+        "F.ctc_loss (tensor or list lengths)",
+        "lengths read on the host, int-list aten._ctc_loss: saves log_alpha (B,T,2*max target+1); backward "
+        "allocates log_beta of the same size",
+        "the same (cuDNN's CTC needs int32 targets on the host and blank 0; transformers disables cuDNN for it)",
+        "same: fakes run the int-list path with the lengths' real values (sacplan/collector/realvalues.py)",
+    ),
+    KernelRow(
         "F.layer_norm (native_layer_norm)",
         "fp32 input: mean/rstd fp32 (M each); fp16/bf16 input: mean/rstd in the input dtype (2 B x M each)",
         "mean/rstd in fp32 (4 B x M each) for every input dtype",

@@ -2,10 +2,11 @@
 
 The step runs inside, from outside in: Hugging Face configs without a key/value cache and the library's real
 attention paths (:mod:`~sacplan.collector.hf`), a CUDA target's host kernels (:mod:`~sacplan.collector.kernels`),
-fake mode, a CUDA target's attention routing (:mod:`~sacplan.collector.attention`) and the
-:class:`~sacplan.collector.tracker.StepRecorder`. Parameter and optimizer hooks re-label gradients and optimizer
-state and mark the optimizer step on the timeline. A failing step raises :class:`~sacplan.errors.CollectionError`
-naming the module (and the aten op) that was running, with a hint on what to do.
+FlexAttention routing with compilation off (:mod:`~sacplan.collector.flex`), fake mode, the real values of the
+inputs for value-dependent reads and shapes (:mod:`~sacplan.collector.realvalues`), a CUDA target's attention
+routing (:mod:`~sacplan.collector.attention`) and the :class:`~sacplan.collector.tracker.StepRecorder`. Parameter
+and optimizer hooks re-label gradients and optimizer state and mark the optimizer step on the timeline. A failing step raises :class:`~sacplan.errors.CollectionError`
+naming the module (and the aten op) that was running, with a remedy for that op (:mod:`~sacplan.collector.hints`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from sacplan.collector.attention import FusedAttentionMode
 from sacplan.collector.calling import Inputs, call_model
 from sacplan.collector.hf import training_without_cache, transformers_real_paths
+from sacplan.collector.flex import flex_attention_routed
+from sacplan.collector.hints import failure_hint
 from sacplan.collector.kernels import cuda_host_kernels, host_state_tensors
+from sacplan.collector.realvalues import HostFastPaths, RealValueMode
 from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
 from sacplan.collector.runtime import RuntimeModel
 from sacplan.collector.tracker import StepRecorder
@@ -87,7 +91,13 @@ def run_step(
     try:
         # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
         # so the fake step runs the kernels the real one runs (restored on exit).
-        with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, fake_mode, attention, recorder:
+        # values: data-dependent questions (.item(), mask sizes) answered from the real inputs
+        values = RealValueMode()
+        values.bind(args, real_inputs)
+        # flex: FlexAttention runs the target's fused kernel, compiled functions run eagerly (never a compile)
+        flex = flex_attention_routed(cuda_target=spec.attention == "flash")
+        with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, flex, fake_mode, \
+                values, HostFastPaths(values), attention, recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)
@@ -110,9 +120,11 @@ def run_step(
         else:
             where = recorder.fw_stack[-1].fqn if recorder.fw_stack else (recorder.bw_active[-1].fqn if recorder.bw_active else "")
         op = recorder.failed_op[0] if recorder.failed_op is not None and _caused_by(e, recorder.failed_op[1]) else None
+        module = _submodule(fmodel, where)
         raise CollectionError(
-            f"the fake training step failed in module {where or '<top level>'!r} ({type(fmodel).__name__})"
-            f"{f' at {op}' if op is not None else ''}: {type(e).__name__}: {e}. {failure_hint(op, e)}"
+            f"the fake training step failed in module {where or '<top level>'!r} ({type(fmodel).__name__}"
+            f"{f'.{where}: {type(module).__name__}' if where and module is not None else ''})"
+            f"{f' at {op}' if op is not None else ''}: {type(e).__name__}: {e}. {failure_hint(op, e, module)}"
         ) from e
     finally:
         for h in hooks:
@@ -168,17 +180,9 @@ def _caused_by(e: BaseException, cause: BaseException) -> bool:
     return False
 
 
-def failure_hint(op: Any, e: BaseException) -> str:
-    """What to do when the fake step fails in aten op ``op`` (None: not in an op) with ``e``."""
-    name = str(op) if op is not None else ""
-    text = str(e)
-    if "_grouped_mm" in name and "BF16" in text:
-        return ("PyTorch's fake (meta) kernel of aten._grouped_mm accepts only bf16 inputs (the real CPU kernel also "
-                "runs fp32): collect in bf16 (dtype=torch.bfloat16, what a GPU target runs), or pick a dense experts "
-                "kernel (transformers: config._experts_implementation = 'batched_mm').")
-    if type(e).__name__ == "DynamicOutputShapeException" or "nonzero" in name:
-        return (f"{name or 'an op'} has an output shape that depends on tensor values, which fake tensors do not have "
-                "(a per-expert loop, boolean masking): choose a code path without it (transformers mixture-of-experts: "
-                "config._experts_implementation = 'batched_mm'), or pass a train_step that avoids it.")
-    return ("If the model's constructor or forward needs real data (data-dependent control flow, .item(), numpy), "
-            "pass a factory that builds it on the meta device, or a train_step that avoids it.")
+def _submodule(model: nn.Module, fqn: str) -> nn.Module | None:
+    """The module named ``fqn`` in ``model`` (``""``: the model itself); None when there is none."""
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        return None

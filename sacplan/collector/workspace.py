@@ -13,13 +13,14 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
   attention path) builds boolean masks; fused RMS norm keeps an input-sized temporary; the CPU flash attention
   kernels keep per-thread blocks of scores and fp32 accumulators (their size follows the intra-op thread count,
   measured with the current one); matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
-  expanded from a ``sum`` / ``mean``; only such signatures are measured). Signatures whose tensors exceed
-  :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
+  expanded from a ``sum`` / ``mean``; only such signatures are measured). (CTC loss backward follows its rule
+  below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
 
 * CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
   ``expect_contiguous()`` copies of a non-contiguous input / output gradient; ``_safe_softmax`` is composite
   (``softmax``, then ``eq(-inf)`` → a bool tensor of the input's size and ``all(dim)`` → one bool per row,
-  both live while it runs). cuDNN picks a convolution algorithm whose workspace fits the free memory, so it
+  both live while it runs). CTC loss backward (CPU and CUDA) allocates ``log_beta``, the size of the saved
+  ``log_alpha``. cuDNN picks a convolution algorithm whose workspace fits the free memory, so it
   does not bind the peak; cuBLAS keeps one persistent workspace per stream (a constant, not per op). Both 0.
 """
 
@@ -40,7 +41,11 @@ _CONV_OPS = frozenset(
 )
 #: layer norm forward / backward: the tensor arguments the kernel makes contiguous (input; output gradient, input)
 _LAYER_NORM_ARGS = {aten.native_layer_norm.default: (0,), aten.native_layer_norm_backward.default: (0, 1)}
-WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | frozenset(
+#: CTC loss backward (CPU and CUDA kernels alike): ``log_beta = empty_like(log_alpha)`` (argument 6), freed when
+#: the kernel returns; from the source (and measured on the host: peak - output = log_alpha's bytes exactly),
+#: never measured per call (the measurement's all-zero lengths would not be the step's).
+_CTC_BACKWARD = frozenset({aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor})
+WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozenset(
     {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default,
      aten._scaled_dot_product_flash_attention_for_cpu.default,
      aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
@@ -62,7 +67,7 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
     flat, tspec = tree_flatten((args, kwargs))
     if func in _MATMUL_ARGS and all(_blas_ready(args[i]) for i in _MATMUL_ARGS[func] if i < len(args)):
         return 0  # the common case, not measured: BLAS reads both operands where they are
-    if spec.name == "CPU":
+    if spec.name == "CPU" and func not in _CTC_BACKWARD:
         size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
         if size <= MEASURE_CAP_BYTES:
             key = (func, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat))
@@ -80,6 +85,9 @@ def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
             for t in (args[i] for i in _LAYER_NORM_ARGS[func] if i < len(args))
             if isinstance(t, torch.Tensor) and not t.is_contiguous()
         )
+    if func in _CTC_BACKWARD and len(args) > 6 and isinstance(args[6], torch.Tensor):
+        log_alpha = args[6]
+        return spec.round_alloc(log_alpha.numel() * log_alpha.element_size())
     if func is aten._safe_softmax.default and args and isinstance(args[0], torch.Tensor):
         x = args[0]
         dim = int(args[1]) % max(1, x.dim()) if len(args) > 1 else x.dim() - 1

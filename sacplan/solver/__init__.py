@@ -1,18 +1,19 @@
-"""Solvers: the module-level SAC MILP, op-level selection and PyTorch-compatible ``sac_milp``.
+"""Solvers: which modules to checkpoint and which of their ops to save, under a memory budget.
 
-``solve(tree, budget)`` is the entry point; the memory model is :mod:`sacplan.timeline`, the MILP over it
-:mod:`sacplan.solver.formulation`. The MILP's layers, top down: ``milp`` (entry points), ``search`` (incumbent, repair, min-peak
-plan), ``realise`` (ratios to op save lists), ``formulation`` (rows and columns), ``problem``
-(:class:`SacProblem`: the timeline and exact evaluation), ``candidates`` (checkpointable modules). Beside them:
+``solve(tree, budget)`` is the entry point (:mod:`sacplan.solver.milp`), a pipeline read top to bottom:
 
-* op level, top down: ``ops`` (a module's save list at one budget, its options, its lower-bound lines),
-  ``front`` (the Pareto front of save lists and its thinning), ``knapsack`` (the knapsack at one budget,
-  :class:`OpSelection`); the ops decided together are :mod:`sacplan.opgroups`;
-* solvers, top down: ``lp_proof`` (an incumbent proven optimal by LP bounds), ``backends`` (solver choice and
-  :func:`solve_model`), ``cbc`` and ``highs`` (one back-end each), ``model`` (:class:`MilpModel`,
-  :class:`SolveResult`, status codes);
-* ``options`` (:class:`SolverOptions`: every solver setting, validated once), ``limits`` (time budget),
-  ``certify`` and ``compat``.
+* the problem: :class:`SacProblem` (``problem``: the Timeline read once, exact evaluation in bytes), its
+  candidates (``candidates``) and their exact op-level options (``ops``, ``front``, ``knapsack``);
+* the strategies (``strategies.find``), each a module with one entry: the tree DP (``tree_dp``), the budget MILP
+  (``budget_milp``: the heuristic incumbent and min-peak plan of ``search``, the local descent of ``descent``, the
+  LP proof of ``lp_proof``, the back-ends), the min-peak plan at the feasibility edge;
+* the judge (``judge``): exact bytes, repair, realisation as op save lists (``realise``);
+* the Plan.
+
+Beneath: the formulation (``formulation``), the solver-neutral model (``model``), the back-ends (``backends``:
+``cbc``, ``highs``, HiGHS's count branching ``count_branching``), the settings (``options``) and the limits
+(``limits``: the deterministic work budget, the wall-clock safety net, progress, Ctrl-C). Beside the pipeline:
+``certify`` (how good can any plan be) and ``compat`` (PyTorch's ``sac_milp`` signature, and its Graph).
 """
 
 from sacplan.solver.backends import SOLVERS, solve_model

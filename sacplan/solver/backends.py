@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.cbc import cbc_path, solve_cbc
-from sacplan.solver.highs import branch_on_priorities, solve_highs
+from sacplan.solver.count_branching import branch_on_priorities
+from sacplan.solver.highs import solve_highs
 from sacplan.solver.model import OPTIMAL, MilpModel, RunSettings, SolveResult
 
 #: Solver names :func:`solve_model` accepts.
@@ -74,6 +75,8 @@ def solve_model(
     priorities: Mapping[int, int] | None = None,
     options: Sequence[str] = (),
     highs_options: Mapping[str, Any] | None = None,
+    node_limit: int | None = None,
+    shared: bool = True,
 ) -> SolveResult:
     """Solve ``model`` with ``solver`` ("cbc" or "highs"); see :class:`SolveResult`.
 
@@ -87,15 +90,35 @@ def solve_model(
         feas_tol: primal feasibility tolerance (model units).
         priorities: branching priorities for integer columns, ``{column: priority}`` (smaller = branched
             first). CBC reads them natively; for HiGHS, which has none, they are branched on first by
-            :func:`~sacplan.solver.highs.branch_on_priorities`.
+            :func:`~sacplan.solver.count_branching.branch_on_priorities`.
         options: extra raw CBC command-line options (CBC only), e.g. ``["preprocess off"]``.
         highs_options: extra HiGHS options (HiGHS only), e.g. ``{"mip_heuristic_effort": 0.0}``.
+        node_limit: branch-and-bound nodes this run may explore (None: none of its own); deterministic.
+        shared: also bounded by, and charged to, the call's work budget (:func:`limits.work`); False for the
+            small auxiliary MILPs (op-level knapsacks) that carry their own ``node_limit``.
+
+    A run cut short is recorded with :func:`limits.stopped` (work limit, or the wall-clock safety net).
     """
     name = check_solver(solver)
     if model.num_cols == 0:
         return SolveResult(OPTIMAL, [], model.obj_offset, model.obj_offset, 0.0, 0.0, name, "empty")
     time_limit_s = limits.remaining(time_limit_s)  # never past the enclosing call's budget (limits.deadline)
-    run = RunSettings(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol)
+    if shared:
+        node_limit = limits.nodes_left(node_limit)
+    run = RunSettings(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, node_limit)
+    res = _run(model, name, run, priorities, options, highs_options)
+    if shared:
+        limits.spend(res.nodes)
+    if res.stopped_by:
+        limits.stopped(res.stopped_by, model.name)
+    return res
+
+
+def _run(
+    model: MilpModel, name: str, run: RunSettings, priorities: Mapping[int, int] | None, options: Sequence[str],
+    highs_options: Mapping[str, Any] | None,
+) -> SolveResult:
+    """One back-end run (CBC with its fallbacks, or HiGHS with count branching)."""
     if name == "cbc":
         try:
             return solve_cbc(model, run, priorities, options)

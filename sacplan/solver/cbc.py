@@ -59,6 +59,9 @@ def _parse_cbc_log(text: str) -> dict[str, Any]:
         out["exit_gap_abs"] = float(m[-1])
     if re.search(r"Search completed - best objective", text):
         out["search_completed"] = True
+    m = re.search(r"^Enumerated nodes:\s+(\d+)", text, re.M)
+    if m:
+        out["nodes"] = int(m.group(1))
     return out
 
 
@@ -70,35 +73,7 @@ def solve_cbc(
     import pulp
 
     time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
-
-    prob = pulp.LpProblem(model.name, pulp.LpMinimize)
-    make_var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3: no deprecation warning
-    cols = [
-        make_var(
-            f"c{j:07d}",
-            None if lb == -INF else lb,
-            None if ub == INF else ub,
-            pulp.LpInteger if integer else pulp.LpContinuous,
-        )
-        for j, (lb, ub, integer) in enumerate(zip(model.col_lb, model.col_ub, model.col_int))
-    ]
-    prob.setObjective(
-        pulp.LpAffineExpression([(cols[j], c) for j, c in enumerate(model.col_cost) if c != 0.0], constant=0.0)
-    )
-    for i in range(model.num_rows):
-        idx, val = model.row(i)
-        lb, ub = model.row_lb[i], model.row_ub[i]
-        expr = [(cols[j], v) for j, v in zip(idx, val)]
-        if not expr:
-            continue
-        name = f"r{i:07d}"
-        if lb == ub:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ, name, lb))
-            continue
-        if lb != -INF:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE, name + "l", lb))
-        if ub != INF:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintLE, name + "u", ub))
+    prob, cols = _pulp_problem(model)
     if warm_start is not None:
         for v, x0 in zip(cols, warm_start):
             v.setInitialValue(float(x0), check=False)
@@ -108,6 +83,8 @@ def solve_cbc(
         f"primalTolerance {feas_tol:g}",
         f"integerTolerance {max(feas_tol, 1e-9):g}",
     ]
+    if run.node_limit is not None:
+        options.append(f"maxNodes {max(1, int(run.node_limit))}")  # counted: the same stop on every run
     options += list(extra_options)
     with tempfile.TemporaryDirectory(prefix="sacplan_cbc_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
@@ -153,6 +130,48 @@ def solve_cbc(
                 log = f.read()
         except OSError:
             log = ""
+    return _result(model, prob, cols, log, solve_s)
+
+
+def _pulp_problem(model: MilpModel) -> tuple[Any, list[Any]]:
+    """``model`` as a PuLP problem and its columns, in order (one affine expression per row, PuLP's fast path)."""
+    import pulp
+
+    prob = pulp.LpProblem(model.name, pulp.LpMinimize)
+    make_var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3: no deprecation warning
+    cols = [
+        make_var(
+            f"c{j:07d}",
+            None if lb == -INF else lb,
+            None if ub == INF else ub,
+            pulp.LpInteger if integer else pulp.LpContinuous,
+        )
+        for j, (lb, ub, integer) in enumerate(zip(model.col_lb, model.col_ub, model.col_int))
+    ]
+    prob.setObjective(
+        pulp.LpAffineExpression([(cols[j], c) for j, c in enumerate(model.col_cost) if c != 0.0], constant=0.0)
+    )
+    for i in range(model.num_rows):
+        idx, val = model.row(i)
+        lb, ub = model.row_lb[i], model.row_ub[i]
+        expr = [(cols[j], v) for j, v in zip(idx, val)]
+        if not expr:
+            continue
+        name = f"r{i:07d}"
+        if lb == ub:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ, name, lb))
+            continue
+        if lb != -INF:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE, name + "l", lb))
+        if ub != INF:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintLE, name + "u", ub))
+    return prob, cols
+
+
+def _result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s: float) -> SolveResult:
+    """The normalised :class:`SolveResult` of a finished CBC run, from PuLP's status and CBC's ``log``."""
+    import pulp
+
     info = _parse_cbc_log(log)
     result = info.get("result", "")
     has_x = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -177,7 +196,7 @@ def solve_cbc(
     elif "infeasible" in result.lower() or prob.status == pulp.LpStatusInfeasible:
         status, bound, objective = INFEASIBLE, INF, INF
         x = None
-    elif result.startswith("Stopped on time") or "time" in result.lower():
+    elif result.startswith("Stopped on time") or "time" in result.lower() or "node" in result.lower():
         status = TIME_LIMIT
         bound = info.get("bound", info.get("best_possible", -INF))
         if x is not None:
@@ -189,4 +208,7 @@ def solve_cbc(
     if x is None and status == TIME_LIMIT:
         objective = INF
     gap = relative_gap(objective, bound) if x is not None else INF
-    return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log)
+    low = result.lower()
+    stopped_by = limits.WORK_LIMIT if "node" in low else limits.WALL_CLOCK if "time" in low else ""
+    return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log,
+                       nodes=int(info.get("nodes", 0)), stopped_by=stopped_by)

@@ -17,7 +17,8 @@ import warnings
 from dataclasses import dataclass
 
 from sacplan.errors import SolverError
-from sacplan.solver.limits import DEFAULT_CERTIFY_S, deadline, remaining
+from sacplan.solver import limits
+from sacplan.solver.limits import DEFAULT_CERTIFY_S, remaining
 from sacplan.solver.milp import TimeLimitWarning, recompute_lower_bound, solve
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.tree import ModuleTree, as_tree
@@ -100,7 +101,7 @@ def certify(
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
     """
     opts = resolve_options(options, dict(solver=solver, time_limit_s=time_limit_s), DEFAULT_CERTIFY_S)
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _certify(tree, budget, units, opts)
 
 

@@ -23,13 +23,15 @@ not raise, like PyTorch's).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
-from sacplan.solver.limits import DEFAULT_SOLVE_S, deadline
+from sacplan.solver import limits
+from sacplan.solver.limits import DEFAULT_SOLVE_S
 from sacplan.solver.backends import solve_model
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.lp_proof import prove_by_lp_branching
@@ -104,13 +106,29 @@ def sac_milp(
             round(plan.recompute_ms, 2),
             int(plan.predicted_peak_bytes),
         )
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, opts)
 
 
 def _is_submodule(desc: str, anc: str) -> bool:
     # PyTorch's ilp_utils.is_submodule (substring test, kept for identical meaning)
     return anc + "." in desc
+
+
+@dataclasses.dataclass
+class _GraphMilp:
+    """PyTorch's Graph as the MILP of the module docstring: the nodes, the candidates and their per-node terms
+    (GiB), the model and its columns (``y``, ``r``, ``q`` per candidate; class counts ``kcols``)."""
+
+    nodes: list[Mapping[str, Any]]
+    cand: list[int]
+    ACM: np.ndarray
+    IA: np.ndarray
+    parent_c: dict[int, int]
+    model: MilpModel = dataclasses.field(default_factory=lambda: MilpModel(name="sacplan_sac_milp"))
+    y: dict[int, int] = dataclasses.field(default_factory=dict)
+    r: dict[int, int] = dataclasses.field(default_factory=dict)
+    kcols: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
 
 def _graph_milp(
@@ -122,13 +140,32 @@ def _graph_milp(
     opts: SolverOptions,
     _retry: bool = True,
 ) -> tuple[dict[str, float], float, int]:
-    solver, gap_rel, time_limit_s = opts.backend, opts.gap_rel, opts.time_limit_s
     nodes: list[Mapping[str, Any]] = list(graph.nodes)
-    n = len(nodes)
-    if n == 0:
+    if not nodes:
         return {}, 0, -1
-    ws = float(world_size)
-    # ---- candidates (the reference's y_i == 0 rules) ----------------------------------------------------
+    g = _units(graph, nodes, ac_units, fsdp_units)
+    memory = _Memory(graph, g, float(world_size))
+    if not memory.add_rows(g, budget_gib):
+        return {}, 0, -1
+    res = _solve_graph_model(g, opts)
+    if res.x is None or res.status not in (OPTIMAL, TIME_LIMIT):
+        return {}, 0, -1
+    decisions, peak = memory.read(g, res.x)
+    budget_bytes = int(math.floor(budget_gib * _GIB))  # whole bytes, never above the budget given
+    if peak > budget_bytes and _retry:
+        # within the solver's feasibility tolerance above the budget: solve again just below it
+        return _graph_milp(graph, budget_gib - (peak - budget_bytes + 1024) / _GIB, world_size, ac_units,
+                           fsdp_units, opts, _retry=False)
+    if peak > budget_bytes:
+        return {}, 0, -1
+    return decisions, round(float(res.objective), 2), peak
+
+
+def _units(
+    graph: Any, nodes: list[Mapping[str, Any]], ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None
+) -> _GraphMilp:
+    """The candidates (the reference's y_i == 0 rules), their columns, no-nesting rows and class counts."""
+    n = len(nodes)
     ac_set = set(ac_units) if ac_units else None
     cand: list[int] = []
     ACM = np.zeros(n)
@@ -145,94 +182,156 @@ def _graph_milp(
         if ACM[i] <= 0:
             continue  # nothing to discard (the reference would divide by zero here)
         cand.append(i)
-    # ---- ancestor chains from the reference's ad_matrix -------------------------------------------------
+    # ancestor chains from the reference's ad_matrix
     ad = np.asarray(graph.ad_matrix)
-    cset = set(cand)
     anc_c: dict[int, list[int]] = {j: [i for i in cand if i < j and ad[i][j] == 1] for j in cand}
     parent_c = {j: (max(a) if a else -1) for j, a in anc_c.items()}
-    laminar = all(
-        set(anc_c[j]) == (set(anc_c[parent_c[j]]) | {parent_c[j]} if parent_c[j] >= 0 else set()) for j in cand
-    )
-    has_child = {i: False for i in cand}
-    for j in cand:
-        if parent_c[j] >= 0:
-            has_child[parent_c[j]] = True
-    # ---- model ------------------------------------------------------------------------------------------
-    model = MilpModel(name="sacplan_sac_milp")
-    y: dict[int, int] = {}
-    r: dict[int, int] = {}
-    q: dict[int, int] = {}
-    for i in cand:
-        y[i] = model.add_col(f"y{i}", 0.0, 1.0, True)
-        r[i] = model.add_col(f"r{i}", 0.0, 1.0)
-        q[i] = model.add_col(f"q{i}", 0.0, math.inf, False, float(nodes[i]["sac_runtime"]))
-        model.add_row(f"ry{i}", [r[i], y[i]], [1.0, -1.0], ub=0.0)
+    g = _GraphMilp(nodes, cand, ACM, IA, parent_c)
+    _unit_columns(g)
+    _nesting_rows(g, anc_c)
+    _class_counts(g)
+    return g
+
+
+def _unit_columns(g: _GraphMilp) -> None:
+    """Per candidate: y (checkpoint), r (discard ratio), q (recompute fraction above every trade-off line)."""
+    model, ACM, IA = g.model, g.ACM, g.IA
+    for i in g.cand:
+        y = g.y[i] = model.add_col(f"y{i}", 0.0, 1.0, True)
+        r = g.r[i] = model.add_col(f"r{i}", 0.0, 1.0)
+        q = model.add_col(f"q{i}", 0.0, math.inf, False, float(g.nodes[i]["sac_runtime"]))
+        model.add_row(f"ry{i}", [r, y], [1.0, -1.0], ub=0.0)
         if ACM[i] > IA[i]:
-            model.add_row(f"rmin{i}", [r[i], y[i]], [1.0, -(ACM[i] - IA[i]) / ACM[i]], lb=0.0)
-        for s, (sl, ic) in enumerate(zip(nodes[i]["slopes"], nodes[i]["intercepts"])):
+            model.add_row(f"rmin{i}", [r, y], [1.0, -(ACM[i] - IA[i]) / ACM[i]], lb=0.0)
+        for s, (sl, ic) in enumerate(zip(g.nodes[i]["slopes"], g.nodes[i]["intercepts"])):
             sl, ic = float(sl), float(ic)
             if sl <= 0 and ic <= 0:
                 continue
-            model.add_row(f"line{i}_{s}", [q[i], r[i], y[i]], [1.0, -sl, -ic], lb=0.0)
-    u: dict[int, int] = {}
-    if laminar:
-        for j in cand:
-            p = parent_c[j]
-            if p < 0:
-                continue
-            up = u.get(p, y[p])
-            if has_child[j]:
-                u[j] = model.add_col(f"u{j}", 0.0, 1.0)
-                model.add_row(f"nest{j}", [u[j], up, y[j]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
-            else:
-                model.add_row(f"nest{j}", [up, y[j]], [1.0, 1.0], ub=1.0)
-    else:  # pragma: no cover - non-laminar names: the reference's pairwise rows
-        for j in cand:
+            model.add_row(f"line{i}_{s}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
+
+
+def _nesting_rows(g: _GraphMilp, anc_c: dict[int, list[int]]) -> None:
+    """No checkpointed candidate inside another: one row per candidate along laminar chains (``u`` columns carry
+    "an ancestor is checkpointed"), else the reference's pairwise rows."""
+    model, y, parent_c = g.model, g.y, g.parent_c
+    laminar = all(
+        set(anc_c[j]) == (set(anc_c[parent_c[j]]) | {parent_c[j]} if parent_c[j] >= 0 else set()) for j in g.cand
+    )
+    if not laminar:  # pragma: no cover - non-laminar names: the reference's pairwise rows
+        for j in g.cand:
             for i in anc_c[j]:
                 model.add_row(f"nest{i}_{j}", [y[i], y[j]], [1.0, 1.0], ub=1.0)
-    # identical candidates: count columns (branched on first; see sacplan.solver.milp)
+        return
+    has_child = {i: False for i in g.cand}
+    for j in g.cand:
+        if parent_c[j] >= 0:
+            has_child[parent_c[j]] = True
+    u: dict[int, int] = {}
+    for j in g.cand:
+        p = parent_c[j]
+        if p < 0:
+            continue
+        up = u.get(p, y[p])
+        if has_child[j]:
+            u[j] = model.add_col(f"u{j}", 0.0, 1.0)
+            model.add_row(f"nest{j}", [u[j], up, y[j]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
+        else:
+            model.add_row(f"nest{j}", [up, y[j]], [1.0, 1.0], ub=1.0)
+
+
+def _class_counts(g: _GraphMilp) -> None:
+    """Identical candidates: count columns ``K = Σ_class y`` (branched on first; see sacplan.solver.budget_milp)."""
     classes: dict[tuple, list[int]] = {}
-    for i in cand:
-        nd = nodes[i]
-        key = (ACM[i], IA[i], float(nd["sac_runtime"]), tuple(nd["slopes"]), tuple(nd["intercepts"]))
+    for i in g.cand:
+        nd = g.nodes[i]
+        key = (g.ACM[i], g.IA[i], float(nd["sac_runtime"]), tuple(nd["slopes"]), tuple(nd["intercepts"]))
         classes.setdefault(key, []).append(i)
-    kcols = []
     for members in sorted(classes.values()):
         if len(members) >= 2:
-            k = model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
-            kcols.append((k, members))
-            model.add_row(f"Kdef{members[0]}", [k] + [y[i] for i in members], [1.0] + [-1.0] * len(members), lb=0, ub=0)
-    # ---- memory: running sums along fw_post_order -----------------------------------------------------
-    post = list(graph.fw_post_order)
-    name2idx = {nd["fqn"]: i for i, nd in enumerate(nodes)}
-    P1 = float(nodes[0]["param_per_module"]) / _GIB
-    base = np.zeros(n)
-    cap = np.zeros(n)
-    pos = np.zeros(n, dtype=np.int64)
-    for i, nd in enumerate(nodes):
-        TA = float(nd["act_total"]) / _GIB
-        AG = float(nd["act_grad_per_module"]) / _GIB
-        TG = float(nd["grad_total"]) / _GIB
-        cap[i] = TA + AG
-        base[i] = TA + AG + (P1 + TG) / ws
-        pos[i] = int(nd["pos_fw_post_order"])
-    entries = [name2idx[f] for f in post]  # node index per fw_post_order position
-    cand_pos = [p for p, i in enumerate(entries) if i in cset]
-    kc_of_pos = np.searchsorted(np.asarray(cand_pos, dtype=np.int64), np.arange(len(post) + 1), side="left")
-    if np.any(base - cap > budget_gib + 1e-12):  # the state part alone exceeds the budget
-        return {}, 0, -1
-    need: dict[int, float] = {}
-    upper: dict[int, float] = {}
-    for i in range(n):
-        kc = int(kc_of_pos[pos[i]])
-        nd_ = base[i] - budget_gib
-        if nd_ > 0:
-            if kc == 0:
-                return {}, 0, -1
-            need[kc] = max(need.get(kc, -math.inf), nd_)
-        if kc > 0:
-            upper[kc] = min(upper.get(kc, math.inf), cap[i])
-    # dominance: F is non-decreasing in kc
+            k = g.model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
+            g.kcols.append((k, members))
+            g.model.add_row(f"Kdef{members[0]}", [k] + [g.y[i] for i in members], [1.0] + [-1.0] * len(members),
+                            lb=0, ub=0)
+
+
+class _Memory:
+    """The reference's memory per node along ``fw_post_order`` (GiB): ``base`` (no checkpointing), ``cap``
+    (what discards can lower), each node's position, and the candidates' positions for the running sums."""
+
+    def __init__(self, graph: Any, g: _GraphMilp, ws: float) -> None:
+        nodes, n = g.nodes, len(g.nodes)
+        post = list(graph.fw_post_order)
+        name2idx = {nd["fqn"]: i for i, nd in enumerate(nodes)}
+        P1 = float(nodes[0]["param_per_module"]) / _GIB
+        self.base, self.cap, self.pos = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64)
+        for i, nd in enumerate(nodes):
+            TA = float(nd["act_total"]) / _GIB
+            AG = float(nd["act_grad_per_module"]) / _GIB
+            TG = float(nd["grad_total"]) / _GIB
+            self.cap[i] = TA + AG
+            self.base[i] = TA + AG + (P1 + TG) / ws
+            self.pos[i] = int(nd["pos_fw_post_order"])
+        self.entries = [name2idx[f] for f in post]  # node index per fw_post_order position
+        cset = set(g.cand)
+        self.cand_pos = [p for p, i in enumerate(self.entries) if i in cset]
+        self.kc_of_pos = np.searchsorted(np.asarray(self.cand_pos, dtype=np.int64), np.arange(len(post) + 1),
+                                         side="left")
+
+    def add_rows(self, g: _GraphMilp, budget_gib: float) -> bool:
+        """The running-sum columns ``F`` with each node's need as a bound (dominated ones dropped); False when
+        no plan can fit (the state alone, or a need before any candidate)."""
+        if np.any(self.base - self.cap > budget_gib + 1e-12):  # the state part alone exceeds the budget
+            return False
+        need: dict[int, float] = {}
+        upper: dict[int, float] = {}
+        for i in range(len(g.nodes)):
+            kc = int(self.kc_of_pos[self.pos[i]])
+            nd_ = self.base[i] - budget_gib
+            if nd_ > 0:
+                if kc == 0:
+                    return False
+                need[kc] = max(need.get(kc, -math.inf), nd_)
+            if kc > 0:
+                upper[kc] = min(upper.get(kc, math.inf), self.cap[i])
+        lbs, ubs = _monotone_bounds(need, upper)
+        prev_col, prev_kc = -1, 0
+        for kc in sorted(set(lbs) | set(ubs)):
+            col = g.model.add_col(f"F{kc}", max(0.0, lbs.get(kc, 0.0)), ubs.get(kc, math.inf))
+            ind, val = [col], [1.0]
+            if prev_col >= 0:
+                ind.append(prev_col)
+                val.append(-1.0)
+            for p in self.cand_pos[prev_kc:kc]:
+                i = self.entries[p]
+                ind += [g.r[i], g.y[i]]
+                val += [-g.ACM[i], g.ACM[i] - g.IA[i]]
+            g.model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
+            prev_col, prev_kc = col, kc
+        return True
+
+    def read(self, g: _GraphMilp, x: Sequence[float]) -> tuple[dict[str, float], int]:
+        """The decisions of solution ``x`` (ratios rounded up to 4 digits) and their true predicted peak (bytes)."""
+        n = len(g.nodes)
+        decisions: dict[str, float] = {}
+        rv = np.zeros(n)
+        yv = np.zeros(n)
+        for i in g.cand:
+            if x[g.y[i]] > 0.5:
+                yv[i] = 1.0
+                # 4 digits like PyTorch's, rounded up: a larger ratio discards more, so the rounded plan stays
+                # within the budget (to the nearest, it could exceed it by up to 0.5e-4 of a node's memory)
+                rv[i] = _ratio_up(x[g.r[i]])
+                decisions[g.nodes[i]["fqn"]] = rv[i]
+        d = g.ACM * rv - (g.ACM - g.IA) * yv
+        dpos = np.array([d[i] for i in self.entries])
+        F = np.concatenate([[0.0], np.cumsum(dpos)])
+        m = self.base - F[self.pos]
+        return decisions, int(math.ceil(float(np.max(m)) * _GIB - 1e-6))
+
+
+def _monotone_bounds(need: dict[int, float], upper: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+    """Dominance: F is non-decreasing in kc, so only needs above every earlier one and caps below every later
+    one bind."""
     kcs = sorted(set(need) | set(upper))
     run = -math.inf
     lbs: dict[int, float] = {}
@@ -246,65 +345,29 @@ def _graph_milp(
         if kc in upper and upper[kc] < run:
             ubs[kc] = upper[kc]
             run = upper[kc]
-    Fcol: dict[int, int] = {}
-    prev_col, prev_kc = -1, 0
-    for kc in sorted(set(lbs) | set(ubs)):
-        col = model.add_col(f"F{kc}", max(0.0, lbs.get(kc, 0.0)), ubs.get(kc, math.inf))
-        ind, val = [col], [1.0]
-        if prev_col >= 0:
-            ind.append(prev_col)
-            val.append(-1.0)
-        for p in cand_pos[prev_kc:kc]:
-            i = entries[p]
-            ind += [r[i], y[i]]
-            val += [-ACM[i], ACM[i] - IA[i]]
-        model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
-        Fcol[kc] = col
-        prev_col, prev_kc = col, kc
-    # ---- warm start: LP relaxation, round, re-solve the ratios -------------------------------------------
-    warm, lp_bound = _warm_start(model, cand, y, parent_c, solver)
+    return lbs, ubs
+
+
+def _solve_graph_model(g: _GraphMilp, opts: SolverOptions) -> Any:
+    """The warm start (LP relaxation, rounded, ratios re-solved), then an LP proof or the back-end's search."""
     from sacplan.solver.backends import lp_solver
 
+    solver = opts.backend
+    warm, lp_bound = _warm_start(g.model, g.cand, g.y, g.parent_c, solver)
     proven = prove_by_lp_branching(
-        model, warm, [k for k, _ in kcols], gap_rel=gap_rel, lp_solver=lp_solver(solver), root_bound=lp_bound,
-        solver_name=solver,
+        g.model, warm, [k for k, _ in g.kcols], gap_rel=opts.gap_rel, lp_solver=lp_solver(solver),
+        root_bound=lp_bound, solver_name=solver,
     )
-    res = proven or solve_model(
-        model,
+    return proven or solve_model(
+        g.model,
         solver,
-        gap_rel=gap_rel,
+        gap_rel=opts.gap_rel,
         gap_abs=1e-7,
-        time_limit_s=time_limit_s,
+        time_limit_s=opts.time_limit_s,
         warm_start=warm,
-        priorities={k: 1 for k, _ in kcols} or None,
-        options=["preprocess off"],  # CBC preprocessing has cut off optima at tight budgets (see milp)
+        priorities={k: 1 for k, _ in g.kcols} or None,
+        options=["preprocess off"],  # CBC preprocessing has cut off optima at tight budgets (see budget_milp)
     )
-    if res.x is None or res.status not in (OPTIMAL, TIME_LIMIT):
-        return {}, 0, -1
-    x = res.x
-    decisions: dict[str, float] = {}
-    rv = np.zeros(n)
-    yv = np.zeros(n)
-    for i in cand:
-        if x[y[i]] > 0.5:
-            yv[i] = 1.0
-            # 4 digits like PyTorch's, rounded up: a larger ratio discards more, so the rounded plan stays
-            # within the budget (to the nearest, it could exceed it by up to 0.5e-4 of a node's memory)
-            rv[i] = _ratio_up(x[r[i]])
-            decisions[nodes[i]["fqn"]] = rv[i]
-    d = ACM * rv - (ACM - IA) * yv
-    dpos = np.array([d[i] for i in entries])
-    F = np.concatenate([[0.0], np.cumsum(dpos)])
-    m = base - F[pos]
-    peak = int(math.ceil(float(np.max(m)) * _GIB - 1e-6))
-    budget_bytes = int(math.floor(budget_gib * _GIB))  # whole bytes, never above the budget given
-    if peak > budget_bytes and _retry:
-        # within the solver's feasibility tolerance above the budget: solve again just below it
-        return _graph_milp(graph, budget_gib - (peak - budget_bytes + 1024) / _GIB, world_size, ac_units,
-                           fsdp_units, opts, _retry=False)
-    if peak > budget_bytes:
-        return {}, 0, -1
-    return decisions, round(float(res.objective), 2), peak
 
 
 def _ratio_up(r: float) -> float:

@@ -1,14 +1,14 @@
 """The HiGHS back-end: HiGHS through ``highspy`` directly (the matrix is passed in one call).
 
-HiGHS has no branching priorities: :func:`branch_on_priorities` branches on the priority columns itself and
-solves each leaf with HiGHS's MILP (CBC reads priorities natively, see :mod:`sacplan.solver.cbc`).
-Deterministic: one thread unless asked otherwise, fixed random seed.
+HiGHS has no branching priorities: :func:`~sacplan.solver.count_branching.branch_on_priorities` branches on the
+priority columns itself and solves each leaf here (CBC reads priorities natively, see :mod:`sacplan.solver.cbc`).
+Deterministic: one thread unless asked otherwise, fixed random seed, a node limit (``mip_max_nodes``) as the work
+limit; the time limit is only the safety net.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -28,7 +28,6 @@ from sacplan.solver.model import (
     RunSettings,
     SolveResult,
     relative_gap,
-    with_bounds,
 )
 
 #: True once this process has built a ``highspy.Highs`` (its banner is printed only then)
@@ -66,8 +65,47 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
     """Solve ``model`` with in-process HiGHS under ``run`` (``highs_options``: extra HiGHS options)."""
     import highspy
 
-    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
+    h = _configured(run, highs_options)
+    # kWarning is returned for valid models with tiny coefficients (HiGHS drops them); only kError is fatal.
+    if h.passModel(_highs_lp(model)) == highspy.HighsStatus.kError:
+        raise SolverError("HiGHS rejected the model (passModel failed)")
+    if run.warm_start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = [float(v) for v in run.warm_start]
+        sol.value_valid = True
+        h.setSolution(sol)
+    t0 = time.perf_counter()
+    interrupted = limits.run_highs(h)
+    solve_s = time.perf_counter() - t0
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    has_x = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    x = list(h.getSolution().col_value) if has_x else None
+    objective = model.evaluate(x) if x is not None else INF
+    if (
+        not interrupted
+        and any(model.col_int)
+        and ms == highspy.HighsModelStatus.kOptimal
+        and run.warm_start is not None
+        and x is not None
+        and objective - float(info.objective_function_value) > max(run.gap_abs, 1e-9 * max(1.0, abs(objective)))
+    ):
+        # HiGHS 1.16 can report a better MIP objective than the solution vector it returns, which is then the
+        # warm start handed in (seen when presolve settles the model): the better vector is lost, so solve again
+        # without the warm start.
+        res = solve_highs(model, dataclasses.replace(run, warm_start=None), highs_options)
+        return dataclasses.replace(res, solve_s=res.solve_s + solve_s, log="HiGHS re-run without the warm start: its "
+                                   "solution vector was the warm start, not the better objective it reported")
+    res = _result(model, ms, info, h.modelStatusToString(ms), x, objective, solve_s)
+    if interrupted:
+        raise limits.SolveInterrupted(res)
+    return res
 
+
+def _configured(run: RunSettings, highs_options: Mapping[str, Any] | None) -> Any:
+    """A fresh ``highspy.Highs`` with ``run``'s settings: one thread and a fixed seed unless asked otherwise
+    (deterministic), the gaps, tolerances, node limit (deterministic) and time limit (the safety net)."""
+    time_limit_s, gap_rel, gap_abs, threads, _, feas_tol = run.fields()
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 1)
@@ -78,8 +116,17 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
     h.setOptionValue("mip_feasibility_tolerance", max(feas_tol, 1e-10))
     if time_limit_s is not None:
         h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+    if run.node_limit is not None:
+        h.setOptionValue("mip_max_nodes", max(1, int(run.node_limit)))
     for k, v in (highs_options or {}).items():
         h.setOptionValue(k, v)
+    return h
+
+
+def _highs_lp(model: MilpModel) -> Any:
+    """``model`` as a ``highspy.HighsLp`` (rowwise matrix, integrality when any column is integer)."""
+    import highspy
+
     inf = highspy.kHighsInf
     lp = highspy.HighsLp()
     lp.num_col_ = model.num_cols
@@ -100,45 +147,23 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
         lp.integrality_ = [
             highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous for b in model.col_int
         ]
-    # kWarning is returned for valid models with tiny coefficients (HiGHS drops them); only kError is fatal.
-    if h.passModel(lp) == highspy.HighsStatus.kError:
-        raise SolverError("HiGHS rejected the model (passModel failed)")
-    if warm_start is not None:
-        sol = highspy.HighsSolution()
-        sol.col_value = [float(v) for v in warm_start]
-        sol.value_valid = True
-        h.setSolution(sol)
-    t0 = time.perf_counter()
-    interrupted = limits.run_highs(h)
-    solve_s = time.perf_counter() - t0
-    ms = h.getModelStatus()
-    info = h.getInfo()
-    raw = h.modelStatusToString(ms)
-    has_x = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    x = list(h.getSolution().col_value) if has_x else None
-    objective = model.evaluate(x) if x is not None else INF
+    return lp
+
+
+def _result(model: MilpModel, ms: Any, info: Any, raw: str, x: list[float] | None, objective: float,
+            solve_s: float) -> SolveResult:
+    """The normalised :class:`SolveResult` of a finished HiGHS run (model status ``ms``, ``info``)."""
+    import highspy
+
+    status_of = highspy.HighsModelStatus
     mip = any(model.col_int)
-    if (
-        not interrupted
-        and mip
-        and ms == highspy.HighsModelStatus.kOptimal
-        and warm_start is not None
-        and x is not None
-        and objective - float(info.objective_function_value) > max(gap_abs, 1e-9 * max(1.0, abs(objective)))
-    ):
-        # HiGHS 1.16 can report a better MIP objective than the solution vector it returns, which is then the
-        # warm start handed in (seen when presolve settles the model): the better vector is lost, so solve again
-        # without the warm start.
-        res = solve_highs(model, dataclasses.replace(run, warm_start=None), highs_options)
-        return dataclasses.replace(res, solve_s=res.solve_s + solve_s, log="HiGHS re-run without the warm start: its "
-                                   "solution vector was the warm start, not the better objective it reported")
-    if ms == highspy.HighsModelStatus.kOptimal:
+    if ms == status_of.kOptimal:
         status = OPTIMAL
         bound = float(info.mip_dual_bound) if mip else objective
         bound = min(bound, objective)
-    elif ms == highspy.HighsModelStatus.kInfeasible:
+    elif ms == status_of.kInfeasible:
         status, x, objective, bound = INFEASIBLE, None, INF, INF
-    elif ms in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt):
+    elif ms in (status_of.kTimeLimit, status_of.kInterrupt, status_of.kSolutionLimit, status_of.kIterationLimit):
         status = TIME_LIMIT
         bound = float(info.mip_dual_bound) if mip else -INF
         if x is not None:
@@ -146,119 +171,10 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
     else:
         status, bound = (TIME_LIMIT if x is not None else ERROR), (float(info.mip_dual_bound) if mip else -INF)
     gap = relative_gap(objective, bound) if x is not None else INF
-    res = SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw)
-    if interrupted:
-        raise limits.SolveInterrupted(res)
-    return res
-
-
-def branch_on_priorities(
-    model: MilpModel,
-    priorities: Mapping[int, int],
-    run: RunSettings,
-    highs_options: Mapping[str, Any] | None,
-    max_nodes: int = 64,
-) -> SolveResult:
-    """HiGHS has no branching priorities: branch on the priority columns here (depth first, LP bounds),
-    then solve each leaf (all priority columns integral in its LP) with HiGHS's MILP under the incumbent as
-    cutoff. Exact: the returned bound is the minimum over pruned and solved leaves.
-
-    Used for the count columns of repeated blocks, whose LP relaxation is weak only in *how many* blocks
-    are checkpointed: once that count is fixed the LP bound is (nearly) tight.
-    """
-    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
-    t0 = time.perf_counter()
-    order = sorted(priorities, key=lambda j: (priorities[j], j))
-    best_x = list(warm_start) if warm_start is not None else None
-    best = model.evaluate(best_x) if best_x is not None and model.max_violation(best_x) <= 1e-6 else INF
-    if best == INF:
-        best_x = None
-    leaf_bounds: list[float] = []
-    status_time = False
-    nodes = 0
-    # entries: (lower bounds, upper bounds, LP bound of the parent node)
-    stack: list[tuple[dict[int, float], dict[int, float], float]] = [({}, {}, -INF)]
-    hopts = dict(highs_options or {})
-
-    def left() -> float | None:
-        own = None if time_limit_s is None else time_limit_s - (time.perf_counter() - t0)
-        end = limits.remaining()
-        return own if end is None else (end if own is None else min(own, end))
-
-    def summary() -> SolveResult:
-        solve_s = time.perf_counter() - t0
-        if best_x is None:
-            if status_time:
-                return SolveResult(TIME_LIMIT, None, INF, -INF, INF, solve_s, "highs", "time limit")
-            return SolveResult(INFEASIBLE, None, INF, INF, INF, solve_s, "highs", "Infeasible")
-        bound = min([best] + leaf_bounds + [b for _, _, b in stack])
-        gap = relative_gap(best, bound)
-        status = TIME_LIMIT if status_time and gap > gap_rel else OPTIMAL
-        return SolveResult(status, best_x, best, bound, gap, solve_s, "highs", f"{status} ({nodes} count nodes)")
-
-    def prune_at(v: float) -> bool:
-        return best < INF and v >= best - max(gap_abs, gap_rel * abs(best))
-
-    while stack:
-        lb, ub, parent_bound = stack.pop()
-        rem = left()
-        if nodes > 0 and ((rem is not None and rem <= 0) or limits.expired()):
-            status_time = True
-            leaf_bounds.append(parent_bound)
-            continue
-        sub = with_bounds(model, lb, ub)
-        relax = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in sub.__dict__.items()})
-        relax.col_int = [False] * relax.num_cols
-        try:
-            lp = solve_highs(relax, RunSettings(rem, 0.0, 0.0, threads, None, feas_tol))
-        except limits.SolveInterrupted:
-            stack.append((lb, ub, parent_bound))
-            status_time = True
-            raise limits.SolveInterrupted(summary()) from None
-        nodes += 1
-        if lp.status == INFEASIBLE:
-            continue
-        if lp.x is None:
-            leaf_bounds.append(parent_bound)
-            status_time = status_time or lp.status == TIME_LIMIT
-            continue
-        if prune_at(lp.objective):
-            leaf_bounds.append(lp.objective)
-            continue
-        frac = next((j for j in order if abs(lp.x[j] - round(lp.x[j])) > 1e-6), None)
-        if frac is not None and nodes < max_nodes:
-            v = lp.x[frac]
-            down = (lb, {**ub, frac: float(math.floor(v))}, lp.objective)
-            up = ({**lb, frac: float(math.ceil(v))}, ub, lp.objective)
-            # explore the nearer side first (pushed last)
-            if v - math.floor(v) < 0.5:
-                stack += [up, down]
-            else:
-                stack += [down, up]
-            continue
-        ws = best_x if best_x is not None and sub.max_violation(best_x) <= 1e-6 else None
-        opts = dict(hopts)
-        if best < INF:
-            opts["objective_bound"] = best + max(gap_abs, 1e-9 * abs(best))
-        try:
-            with limits.within(best, min([best] + leaf_bounds + [b for _, _, b in stack])):
-                res = solve_highs(sub, dataclasses.replace(run, time_limit_s=left(), warm_start=ws), opts)
-        except limits.SolveInterrupted as e:
-            leaf = e.result
-            if leaf is not None and leaf.x is not None and leaf.objective < best:
-                best, best_x = leaf.objective, leaf.x
-            leaf_bounds.append(lp.objective if leaf is None or not math.isfinite(leaf.bound) else max(lp.objective, min(leaf.bound, best)))
-            status_time = True
-            raise limits.SolveInterrupted(summary()) from None
-        if res.status == INFEASIBLE:
-            # nothing better than the cutoff (or truly infeasible) in this leaf
-            leaf_bounds.append(best if best < INF else INF)
-            continue
-        if res.x is not None and res.objective < best:
-            best, best_x = res.objective, res.x
-        leaf_bounds.append(max(lp.objective, res.bound) if res.x is not None or res.status == OPTIMAL else lp.objective)
-        status_time = status_time or res.status == TIME_LIMIT
-        if best_x is not None:
-            limits.report(best, min([best] + leaf_bounds + [b for _, _, b in stack]),
-                          relative_gap(best, min([best] + leaf_bounds + [b for _, _, b in stack])))
-    return summary()
+    stopped_by = ""
+    if ms in (status_of.kSolutionLimit, status_of.kIterationLimit):
+        stopped_by = limits.WORK_LIMIT  # mip_max_nodes: counted, the same on every run
+    elif ms == status_of.kTimeLimit:
+        stopped_by = limits.WALL_CLOCK
+    nodes = int(info.mip_node_count) if mip and int(info.mip_node_count) > 0 else 0
+    return SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw, nodes=nodes, stopped_by=stopped_by)

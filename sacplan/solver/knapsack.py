@@ -62,6 +62,11 @@ def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: 
     )
 
 
+#: Branch-and-bound nodes one op-level knapsack MILP may explore (its own deterministic limit, not drawn from the
+#: call's work budget: a module's options solve hundreds of these small knapsacks)
+KNAPSACK_NODES = 10_000
+
+
 def knapsack(
     ops: tuple[OpStat, ...], always: Sequence[OpGroup], free: Sequence[OpGroup], cap: int, solver: str, stop: int,
     milp: bool = True,
@@ -114,8 +119,9 @@ def knapsack(
     warm = [0.0] * len(cand)
     for i in take:
         warm[i] = 1.0
-    res = solve_model(model, solver, gap_rel=0.0, gap_abs=1e-9, warm_start=warm)
-    if res.status != OPTIMAL or res.x is None:  # the time budget ran out (limits.deadline): the greedy fill
+    res = solve_model(model, solver, gap_rel=0.0, gap_abs=1e-9, warm_start=warm, node_limit=KNAPSACK_NODES,
+                      shared=False)
+    if res.status != OPTIMAL or res.x is None:  # its node limit, or the wall-clock safety net: the greedy fill
         chosen = take
         if math.isfinite(res.bound):  # the solver's bound on saved ms, when tighter than the LP's
             slack = max(0.0, min(slack, -res.bound - sum(cand[i].ms for i in take)))

@@ -1,9 +1,16 @@
-"""Time limits, progress lines and Ctrl-C for the MILP solves (issue 14: no solve runs unbounded).
+"""Work and time limits, progress lines and Ctrl-C for the MILP solves (issue 14: no solve runs unbounded;
+issue 26: the same inputs give the same plan on every run, under any machine load).
 
+* :func:`work` opens the call's **deterministic** work budget: branch-and-bound nodes, counted by the solvers
+  themselves (HiGHS's ``mip_node_count``, CBC's enumerated nodes, one per LP of sacplan's own branching), shared
+  by every MILP of the call: :func:`nodes_left` is what a sub-solve may still explore, :func:`spend` charges it.
+  A search that stops there stops at the same point on every run and every rank.
 * :func:`check_time_limit` validates a user's ``time_limit_s`` (seconds; ``None`` = no limit, explicitly).
 * :func:`deadline` opens one wall-clock budget shared by every sub-solve inside it (heuristic, LP branching,
   leaf MILPs, no-good-cut rounds): :func:`remaining` is what a sub-solve may still spend. Nested budgets take
-  the earlier end, so a sweep's total budget bounds each point's own.
+  the earlier end, so a sweep's total budget bounds each point's own. It is the **safety net** only: whatever
+  it cuts short is recorded (:func:`stopped`, :func:`stops`) and the plan says so loudly, since such a plan
+  depends on the machine's speed and load.
 * :func:`progress_to` turns on a status line (elapsed, incumbent, bound, gap) every few seconds on a stream.
 * :func:`run_highs` runs HiGHS in its solver thread and polls it, so Ctrl-C stops the search within ~0.2 s
   (:class:`SolveInterrupted`, a :class:`KeyboardInterrupt` carrying the best result found so far).
@@ -30,6 +37,18 @@ DEFAULT_CERTIFY_S = 300.0
 PROGRESS_EVERY_S = 3.0
 #: Shortest limit handed to a solver (s): a spent budget still lets it return its warm start.
 MIN_SLICE_S = 0.01
+#: Default deterministic work budget of one call (branch-and-bound nodes over all of its MILPs). Measured proofs
+#: (gap 1e-4): the tiny conformance T5 at its midway budget 690 nodes, near its minimum 127, the tiny Mixtral 67,
+#: llama-small x48 13 count nodes; a node of those costs ~0.02-0.1 s on a 2-core host (more on large trees, where
+#: the wall-clock safety net may then end the search first, and says so).
+DEFAULT_WORK_NODES = 2_000
+#: What :func:`stopped` records: a deterministic work limit, or the wall-clock safety net.
+WORK_LIMIT = "work limit"
+WALL_CLOCK = "wall clock"
+
+_NODES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("sacplan_nodes", default=None)
+_STOPS: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("sacplan_stops", default=None)
+_SPENT: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("sacplan_spent", default=None)
 
 _END: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_deadline", default=None)
 _STREAM: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("sacplan_progress", default=None)
@@ -74,6 +93,85 @@ def deadline(limit_s: float | None) -> Iterator[None]:
     finally:
         _END.reset(tok)
         _T0.reset(t0tok)
+
+
+@contextmanager
+def work(nodes: int | None) -> Iterator[list[tuple[str, str]]]:
+    """Every solve inside shares one budget of ``nodes`` branch-and-bound nodes (None: none of its own; an
+    enclosing budget still counts). Yields the list that :func:`stopped` fills for this call: ``(what, where)``
+    pairs, ``what`` one of :data:`WORK_LIMIT` and :data:`WALL_CLOCK`."""
+    outer = _NODES.get()
+    left = None if nodes is None else [int(nodes)]
+    if outer is not None and (left is None or outer[0] < left[0]):
+        left = outer  # the enclosing budget is the smaller: charge it directly
+    stops: list[tuple[str, str]] = []
+    outer_spent = _SPENT.get()
+    tok, stok, ptok = _NODES.set(left), _STOPS.set(stops), _SPENT.set([0])
+    try:
+        yield stops
+    finally:
+        spent = _SPENT.get()
+        _NODES.reset(tok)
+        _STOPS.reset(stok)
+        _SPENT.reset(ptok)
+        if outer_spent is not None and spent is not None:
+            outer_spent[0] += spent[0]
+        outer_stops = _STOPS.get()
+        if outer_stops is not None:
+            outer_stops.extend(s for s in stops if s not in outer_stops)
+
+
+def nodes_left(limit: int | None = None) -> int | None:
+    """Nodes a solve may still explore: the smaller of ``limit`` and what the call's :func:`work` budget has left
+    (None: neither bounds it)."""
+    held = _NODES.get()
+    left = None if held is None else max(0, held[0])
+    if limit is not None:
+        left = int(limit) if left is None else min(left, int(limit))
+    return left
+
+
+def spend(nodes: int) -> None:
+    """Charge ``nodes`` explored nodes to the call's :func:`work` budget."""
+    held, spent = _NODES.get(), _SPENT.get()
+    if held is not None:
+        held[0] -= max(0, int(nodes))
+    if spent is not None:
+        spent[0] += max(0, int(nodes))
+
+
+def nodes_spent() -> int:
+    """Nodes charged so far to the current call's :func:`work` budget (deterministic)."""
+    spent = _SPENT.get()
+    return 0 if spent is None else spent[0]
+
+
+def stopped(what: str, where: str) -> None:
+    """Record that ``what`` (:data:`WORK_LIMIT` or :data:`WALL_CLOCK`) cut ``where`` (a part of the search) short."""
+    held = _STOPS.get()
+    if held is not None and (what, where) not in held:
+        held.append((what, where))
+
+
+def stops() -> tuple[tuple[str, str], ...]:
+    """What cut the current call's search short so far (see :func:`stopped`)."""
+    return tuple(_STOPS.get() or ())
+
+
+def past_deadline(where: str) -> bool:
+    """:func:`expired`, recording a wall-clock stop at ``where`` when it is (the safety net fired)."""
+    if expired():
+        stopped(WALL_CLOCK, where)
+        return True
+    return False
+
+
+@contextmanager
+def call(limit_s: float | None, nodes: int | None) -> Iterator[list[tuple[str, str]]]:
+    """One public call's limits: the deterministic :func:`work` budget of ``nodes`` and the wall-clock
+    :func:`deadline` of ``limit_s`` seconds (the safety net); yields what :func:`stopped` records."""
+    with deadline(limit_s), work(nodes) as stops:
+        yield stops
 
 
 @contextmanager
@@ -149,11 +247,24 @@ def report(incumbent: float, bound: float, gap: float, force: bool = False) -> N
         pass
 
 
-def time_limit_message(limit_s: float | None, objective_ms: float, bound_ms: float, gap: float) -> str:
-    """The one line said when a solve stops at its time limit (objective/bound in ms of recompute)."""
+def time_limit_message(
+    limit_s: float | None, objective_ms: float, bound_ms: float, gap: float,
+    stops: tuple[tuple[str, str], ...] = (), work_nodes: int | None = None,
+) -> str:
+    """The one line said when a solve stops at a limit (objective/bound in ms of recompute): the deterministic
+    work limit, or the wall-clock safety net (``stops`` from :func:`stops`; none recorded: the time limit)."""
+    best = (f"with the best plan found: {objective_ms:.4f} ms of recompute, at most gap {gap:.4%} above the optimum "
+            f"(bound {bound_ms:.4f} ms)")
+    if stops and all(what == WORK_LIMIT for what, _ in stops):
+        lim = "its work limit" if work_nodes is None else f"its work limit of {work_nodes:,} nodes"
+        return (f"stopped at {lim} {best}; the same plan on every run and rank (deterministic); raise work_limit "
+                "to prove it")
     lim = "its time limit" if limit_s is None else f"the time limit of {limit_s:g} s"
-    return (f"stopped at {lim} with the best plan found: {objective_ms:.4f} ms of recompute, at most gap "
-            f"{gap:.4%} above the optimum (bound {bound_ms:.4f} ms); raise time_limit_s (CLI: --time-limit) to prove it")
+    where = ", ".join(sorted({w for what, w in stops if what == WALL_CLOCK})) or "the search"
+    return (f"stopped at {lim} (wall clock, in {where}) {best}; NOT deterministic: this plan depends on the "
+            "machine's speed and load, and ranks planning for themselves may get different plans (they must all "
+            "use one plan file); raise time_limit_s (CLI: --time-limit) or lower work_limit so the work limit ends "
+            "the search")
 
 
 def run_highs(h: Any) -> bool:

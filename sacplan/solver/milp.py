@@ -1,25 +1,22 @@
-"""The public entry points of the module-level MILP: which modules to checkpoint and what fraction of each one's
-activations to discard.
+"""The public entry points of the solver: which modules to checkpoint and what fraction of each one's activations to
+discard (:func:`solve`), the smallest feasible budget, a lower bound on recompute, the no-checkpointing peak.
 
-The memory model is :mod:`sacplan.timeline`; the formulation :mod:`sacplan.solver.formulation`. The layers, top down:
+:func:`solve` is a pipeline, read top to bottom in :func:`_solve`:
 
-* this module: :func:`solve`, :func:`min_feasible_budget`, :func:`recompute_lower_bound`, :func:`baseline_peak`,
-  and the budget MILP's solve to exactness in bytes (no-good cuts over solutions a solver's tolerance let
-  through);
-* :mod:`sacplan.solver.search`: the heuristic incumbent the branch-and-bound starts from (LP relaxation,
-  rounding, LP re-solve over ratios, local descent), exact-byte repair, the min-peak MILP's plan;
-* :mod:`sacplan.solver.realise`: the ratios realised with op-level selection (:func:`sacplan.solver.ops.select_ops`)
-  as the :class:`~sacplan.plan.Plan`'s module decisions;
-* :mod:`sacplan.solver.formulation`: the rows and columns of the budget MILP and the min-peak MILP;
-* :mod:`sacplan.solver.problem`: :class:`~sacplan.solver.problem.SacProblem` reads a
-  :class:`~sacplan.tree.ModuleTree` once (the step orders as running-sum positions, the memory timeline with
-  per-rank state scaling) and evaluates any decision exactly in bytes;
-* :mod:`sacplan.solver.candidates`: the modules that may be checkpointed and their trade-off lines.
+1. the problem: :class:`~sacplan.solver.problem.SacProblem` reads a :class:`~sacplan.tree.ModuleTree` once (the
+   memory Timeline with per-rank scaling, the candidates, their exact options) and evaluates any decision in bytes;
+2. the strategies (:func:`~sacplan.solver.strategies.find`): the tree DP, else the budget MILP (heuristic
+   incumbent, LP proof or branch-and-bound, no-good cuts; :mod:`sacplan.solver.budget_milp`), the min-peak plan
+   at the feasibility edge — all under the call's deterministic work limit and its wall-clock safety net
+   (:mod:`sacplan.solver.limits`);
+3. the judge (:func:`~sacplan.solver.judge.judge`): exact bytes, repair, realisation as op save lists;
+4. the :class:`~sacplan.plan.Plan`.
+
+The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters through :mod:`sacplan.solver.compat`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import warnings
@@ -31,30 +28,15 @@ from sacplan.errors import InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
 from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
-from sacplan.solver.formulation import MilpIndex, build_budget_model, columns_for, decision_from
-from sacplan.solver.lp_proof import prove_by_lp_branching
-from sacplan.solver.limits import (
-    DEFAULT_SOLVE_S,
-    SolveInterrupted,
-    deadline,
-    lifted,
-    time_limit_message,
-)
+from sacplan.solver.formulation import build_budget_model
+from sacplan.solver.judge import Verdict, judge
+from sacplan.solver.limits import DEFAULT_SOLVE_S, lifted, time_limit_message
+from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, relaxed
 from sacplan.solver.options import SolverOptions, resolve_options
-from sacplan.solver.model import (
-    INFEASIBLE,
-    OPTIMAL,
-    TIME_LIMIT,
-    MilpModel,
-    SolveResult,
-    interrupted_result,
-    relative_gap,
-    relaxed,
-)
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.realise import per_module_peak, realise
-from sacplan.solver.search import heuristic, repair, solve_min_peak
-from sacplan.solver.tree_dp import TREE_DP_MAX_S, solve_tree_dp
+from sacplan.solver.realise import per_module_peak
+from sacplan.solver.search import solve_min_peak
+from sacplan.solver.strategies import Found, find
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes, parse_budget
 
@@ -90,7 +72,7 @@ def min_feasible_budget(
     as :class:`~sacplan.solver.options.SolverOptions`, or all settings as ``options`` (this call reads those
     three)."""
     opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         problem = SacProblem(tree, world_size, ac_units, fsdp_units)
         return Bytes(solve_min_peak(problem, opts)[0])
 
@@ -123,7 +105,7 @@ def recompute_lower_bound(
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
     """
     opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _recompute_lower_bound(tree, budget, world_size, ac_units, fsdp_units, opts)
 
 
@@ -224,7 +206,7 @@ def solve(
         solver=solver, time_limit_s=time_limit_s, gap_rel=gap_rel, op_level=op_level, threads=threads, exact=exact,
         max_options=max_options, on_interrupt=on_interrupt,
     ))
-    with deadline(opts.time_limit_s):
+    with limits.call(opts.time_limit_s, opts.work_limit):
         return _solve(tree, budget, world_size, ac_units, fsdp_units, opts)
 
 
@@ -232,246 +214,111 @@ def _solve(
     tree: ModuleTree, budget: int | float | str, world_size: int | None, ac_units: list[str] | None,
     fsdp_units: list[str] | None, opts: SolverOptions,
 ) -> Plan:
-    """:func:`solve` inside its time budget."""
-    t_start = time.perf_counter()
-    solver, time_limit_s, op_level = opts.backend, opts.time_limit_s, opts.op_level
+    """:func:`solve` inside its limits, as a pipeline: the problem, the strategies' decision, the judge's verdict,
+    the plan."""
+    t0 = time.perf_counter()
     problem = SacProblem(tree, world_size, ac_units, fsdp_units, exact=opts.exact_mode, max_options=opts.max_options,
-                         solver=solver)
+                         solver=opts.backend)
     for note in problem.notes:
         warnings.warn(note, stacklevel=2)
-    tree = problem.tree
-    stats = tree.stats
-    budget_bytes = parse_budget(budget, capacity_bytes=stats.device.memory_bytes)
-    base_f = problem.baseline_peak()
-    baseline = int(math.ceil(base_f - 1e-6))
-    nc = problem.num_candidates
-    common: dict[str, Any] = dict(
+    budget_bytes = parse_budget(budget, capacity_bytes=problem.tree.stats.device.memory_bytes)
+    build_s = time.perf_counter() - t0
+    if problem.baseline_peak() <= budget_bytes:
+        return _not_needed(problem, budget_bytes, opts, build_s)
+    found = find(problem, budget_bytes, opts)
+    verdict = judge(problem, found, budget_bytes, opts)
+    plan = _plan(problem, budget_bytes, found, verdict, opts, build_s)
+    _warn_unproven(plan, opts)
+    return plan
+
+
+def _common(problem: SacProblem, budget_bytes: int) -> dict[str, Any]:
+    """The plan's fields that describe the problem (budget, baseline, device, model)."""
+    stats = problem.tree.stats
+    return dict(
         budget_bytes=budget_bytes,
-        baseline_peak_bytes=baseline,
+        baseline_peak_bytes=int(math.ceil(problem.baseline_peak() - 1e-6)),
         baseline_step_ms=float(stats.step_ms),
         world_size=problem.world_size,
         device_name=stats.device.name,
         model_name=stats.model_name,
         fingerprint=stats.fingerprint,
     )
-    if base_f <= budget_bytes:
-        zeros = np.zeros(nc)
-        return Plan(
-            decisions=(),
-            predicted_peak_bytes=baseline,
-            recompute_ms=0.0,
-            status="not needed",
-            objective_ms=0.0,
-            bound_ms=0.0,
-            gap=0.0,
-            solver="",
-            build_s=time.perf_counter() - t_start,
-            solve_s=0.0,
-            per_module_peak=per_module_peak(problem, problem.peaks(zeros, zeros)),
-            min_feasible_bytes=None,
-            meta={"candidates": nc, "op_level": op_level, "baseline_peak_at": [stats.peak_phase, stats.peak_module]},
-            **common,
-        )
 
-    def infeasible() -> InfeasibleBudgetError:
-        mf, *_ = solve_min_peak(problem, opts)
-        return InfeasibleBudgetError(budget_bytes, mf)
 
-    if nc == 0 or problem.lower_bound_peak() > budget_bytes:
-        raise infeasible()
-    model, idx, trivially_infeasible = build_budget_model(problem, float(budget_bytes))
-    if trivially_infeasible:
-        raise infeasible()
-    # exact mode, few events that can bind: the tree DP proves the optimum in well under a second (issue 14)
-    why: list[str] = []
-    t_dp = time.perf_counter()
-    dp = solve_tree_dp(problem, float(budget_bytes), min(TREE_DP_MAX_S, 0.1 * (time_limit_s or math.inf)), why) \
-        if problem.exact and opts.tree_dp else None
-    dp_s = time.perf_counter() - t_dp
-    t_h = time.perf_counter()
-    start, lp_bound = heuristic(problem, model, idx, float(budget_bytes), opts) if dp is None else (None, None)
-    heur_s = time.perf_counter() - t_h
-    warm = columns_for(problem, model, idx, *start) if start is not None else None
-    build_s = time.perf_counter() - t_start - dp_s  # the DP's time is solve time (below)
-    t_solve = time.perf_counter() - dp_s
-    remaining = None if time_limit_s is None else max(0.01, float(time_limit_s) - heur_s)
-    counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
-    try:
-        if dp is not None:
-            x = columns_for(problem, model, idx, dp.y, dp.r)
-            res, cuts, by_lp = SolveResult(OPTIMAL, x, dp.cost_ms, dp.cost_ms, 0.0, dp.seconds, solver, "tree-dp"), 0, False
-        else:
-            res, cuts, by_lp = _solve_budget_model(
-                problem, model, idx, warm, counts, float(budget_bytes), opts, lp_bound, remaining
-            )
-    except SolveInterrupted as e:
-        if opts.on_interrupt != "incumbent":
-            raise
-        res, cuts, by_lp = interrupted_result(e.result, model, warm, solver), 0, False
-    solve_s = time.perf_counter() - t_solve
-    meta: dict[str, Any] = {
-        "baseline_peak_at": [stats.peak_phase, stats.peak_module],
-        "candidates": nc,
-        "model": model.stats(),
-        "events": len(problem.ev_base),
-        "events_kept": idx.kept_events,
-        "heuristic_s": heur_s,
-        "heuristic_ms": None if start is None else problem.cost(*start),
-        "raw_status": res.raw_status,
-        "lp_bound_ms": lp_bound,
-        # "lp": the incumbent met the LP bounds (after branching on count columns only); else the MILP solver
-        "proved_by": "tree-dp" if dp is not None else "lp" if by_lp else solver,
-        # the tree DP's figures (s, binding events, largest front), or why it did not apply (None: not tried,
-        # i.e. lines mode or SolverOptions(tree_dp=False))
-        "tree_dp": (why or [None])[0] if dp is None else
-        {"s": dp.seconds, "binding_events": len(dp.binding), "max_front": max(dp.front_sizes, default=0)},
-        # solutions the solver accepted within its tolerance that exceed the budget in exact bytes, cut off
-        "tolerance_cuts": cuts,
-        "op_level": op_level,
-        "exact": problem.exact,
-        # every candidate chose among its whole Pareto front: the optimum is over every plan (max_options=None)
-        "options_complete": problem.options_complete(),
-    }
-    min_feasible: int | None = None
-    if res.x is None:
-        if res.status == INFEASIBLE:
-            mf, y_mp, r_mp, _, _ = solve_min_peak(problem, opts)
-            if mf > budget_bytes:
-                raise InfeasibleBudgetError(budget_bytes, mf)
-            # solver tolerance at the very edge: the min-peak solution fits exactly
-            y, r = y_mp, r_mp
-            objective, bound, gap, status = problem.cost(y, r), -math.inf, math.inf, TIME_LIMIT
-            meta["fallback"] = "min-peak solution (the budget MILP was declared infeasible at the feasibility edge)"
-            min_feasible = mf
-        elif res.status == TIME_LIMIT:
-            raise SolverError(
-                f"{solver} hit the time limit ({time_limit_s} s) before finding any plan; raise time_limit_s "
-                "(CLI: --time-limit)"
-            )
-        else:
-            raise SolverError(f"{solver} failed on the SAC MILP: {res.raw_status}")
-    else:
-        y, r = decision_from(problem, idx, res.x)
-        objective, bound, gap, status = res.objective, res.bound, res.gap, res.status
-        if lp_bound is not None and math.isfinite(lp_bound) and not bound >= lp_bound:
-            # stopped before the search had its own bound: the root LP relaxation bounds every plan
-            bound = min(objective, lp_bound)
-            gap = relative_gap(objective, bound)
-        slack = problem.options_slack_ms()
-        if slack > 0:  # options built past the time budget: bound the exact options' plans too, not proven
-            meta["options_slack_ms"] = slack
-            bound = bound - slack
-            gap = relative_gap(objective, bound)
-            status = TIME_LIMIT if status == OPTIMAL else status
-    r_fixed = repair(problem, y, r, float(budget_bytes))
-    if r_fixed is None:
-        mf, y_mp, r_mp, _, _ = solve_min_peak(problem, opts)
-        if mf > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, mf)
-        y, r = y_mp, r_mp
-        meta["fallback"] = "min-peak solution (the solver's plan violated the budget beyond repair)"
-        min_feasible = mf
-    else:
-        r = r_fixed
-    r = problem.snap(y, r)  # exact mode: repaired ratios up to the next option (discards only grow)
-    # a checkpoint that discards nothing only adds its recompute transient: drop it (every event falls or stays)
-    y = np.where(r <= 1e-12, 0.0, y)
-    r = r * y
-    if status == TIME_LIMIT and math.isfinite(objective):  # unproven: state what the plan returned costs (a repair
-        objective = max(objective, problem.cost(y, r))  # above may have raised it past the solver's objective)
-        gap = relative_gap(objective, bound)
-    if not problem.nesting_ok(y):  # pragma: no cover - guaranteed by the constraints
-        raise SolverError("internal error: the solver returned nested checkpoint units")
-    meta["model_recompute_ms"] = problem.cost(y, r)
-    decisions, y_real, r_real = realise(problem, y, r, opts)
-    m = problem.peaks(y_real, r_real)
-    predicted = int(math.ceil(float(np.max(m)) - 1e-6))
-    if predicted > budget_bytes:  # pragma: no cover - realised discards only ever grow
-        raise SolverError(f"internal error: realised plan peaks at {predicted} > budget {budget_bytes}")
-    if status == TIME_LIMIT:
-        warnings.warn(time_limit_message(time_limit_s, objective, bound, gap), TimeLimitWarning, stacklevel=3)
+def _not_needed(problem: SacProblem, budget_bytes: int, opts: SolverOptions, build_s: float) -> Plan:
+    """The plan when the no-checkpointing peak already fits the budget."""
+    stats, zeros = problem.tree.stats, np.zeros(problem.num_candidates)
+    common = _common(problem, budget_bytes)
     return Plan(
-        decisions=tuple(decisions),
-        predicted_peak_bytes=predicted,
-        recompute_ms=float(sum(d.recompute_ms for d in decisions)),
-        status=status,
-        objective_ms=float(objective),
-        bound_ms=float(bound),
-        gap=float(gap),
-        solver=solver,
+        decisions=(),
+        predicted_peak_bytes=common["baseline_peak_bytes"],
+        recompute_ms=0.0,
+        status="not needed",
+        objective_ms=0.0,
+        bound_ms=0.0,
+        gap=0.0,
+        solver="",
         build_s=build_s,
-        solve_s=solve_s,
-        per_module_peak=per_module_peak(problem, m),
-        min_feasible_bytes=min_feasible,
-        meta=meta,
+        solve_s=0.0,
+        per_module_peak=per_module_peak(problem, problem.peaks(zeros, zeros)),
+        min_feasible_bytes=None,
+        meta={"candidates": problem.num_candidates, "op_level": opts.op_level,
+              "baseline_peak_at": [stats.peak_phase, stats.peak_module]},
         **common,
     )
 
 
-#: rounds of :func:`_solve_budget_model` before it hands over to ratio repair
-_MAX_CUTS = 32
+def _plan(problem: SacProblem, budget_bytes: int, found: Found, verdict: Verdict, opts: SolverOptions,
+          build_s: float) -> Plan:
+    """The :class:`Plan` of the judged decision, with the search's figures in ``meta``."""
+    stats = problem.tree.stats
+    timing = dict(found.timing_s)
+    meta: dict[str, Any] = {
+        "baseline_peak_at": [stats.peak_phase, stats.peak_module],
+        "candidates": problem.num_candidates,
+        **found.meta,
+        # wall seconds of the parts (the only figures of a plan that differ from run to run)
+        "timing_s": timing,
+        "op_level": opts.op_level,
+        "exact": problem.exact,
+        # every candidate chose among its whole Pareto front: the optimum is over every plan (max_options=None)
+        "options_complete": problem.options_complete(),
+    }
+    if verdict.fallback is not None:
+        meta["fallback"] = verdict.fallback
+    meta["model_recompute_ms"] = verdict.model_recompute_ms
+    # what cut the search short: "work limit: <part>" (deterministic) or "wall clock: <part>" (the safety net:
+    # this plan depends on the machine's speed and load)
+    meta["stopped_by"] = [f"{what}: {where}" for what, where in limits.stops()]
+    meta["work_limit_nodes"] = opts.work_limit
+    meta["work_nodes"] = limits.nodes_spent()  # branch-and-bound nodes this call explored (the same on every run)
+    return Plan(
+        decisions=verdict.decisions,
+        predicted_peak_bytes=verdict.predicted_peak_bytes,
+        recompute_ms=float(sum(d.recompute_ms for d in verdict.decisions)),
+        status=found.status,
+        objective_ms=float(verdict.objective),
+        bound_ms=float(found.bound),
+        gap=float(verdict.gap),
+        solver=opts.backend,
+        build_s=build_s + timing.get("model", 0.0) + timing.get("heuristic", 0.0),
+        solve_s=timing.get("tree_dp", 0.0) + timing.get("search", 0.0),
+        per_module_peak=per_module_peak(problem, verdict.peaks),
+        min_feasible_bytes=verdict.min_feasible,
+        meta=meta,
+        **_common(problem, budget_bytes),
+    )
 
 
-def _solve_budget_model(
-    problem: SacProblem,
-    model: MilpModel,
-    idx: MilpIndex,
-    warm: list[float] | None,
-    counts: list[int],
-    budget: float,
-    opts: SolverOptions,
-    lp_bound: float | None,
-    time_limit_s: float | None,
-) -> tuple[SolveResult, int, bool]:
-    """Solve the budget MILP; in exact mode, also to exactness in bytes.
-
-    Returns (result, cuts added, whether the LP bounds alone proved it: :func:`prove_by_lp_branching`).
-
-    A solver accepts rows violated by up to its feasibility tolerance (~1e-9 GiB, about a byte here), so at a
-    budget met with equality it may return a plan a few bytes over. In exact mode every column is fixed by
-    the binary columns (``y``, option levels ``w``), so such a solution is removed exactly by a no-good cut
-    over them — ``Σ_{x_j=0} x_j + Σ_{x_j=1} (1 - x_j) ≥ 1`` — which excludes that one assignment and no
-    other, and the model is solved again: the optimum over exactly feasible plans, proven. (Repairing the
-    ratio of some checkpointed module instead, as the lines mode does, is not optimal in exact mode: it jumps
-    to a dearer option, or to the min-peak fallback when nothing was checkpointed.) CBC runs with
-    preprocessing off: on budgets met with equality its preprocessing has cut off the optimum (a 3-module
-    tree: 25.912 ms "optimal" against 22.994 ms with it off, and by brute force).
-    """
-    solver, gap_rel = opts.backend, opts.gap_rel
-    binaries = (idx.y + [j for cols in idx.w.values() for j in cols]) if problem.exact else []
-    cuts = 0
-    t0 = time.perf_counter()
-    while True:
-        remaining = None if time_limit_s is None else max(0.01, time_limit_s - (time.perf_counter() - t0))
-        proven = prove_by_lp_branching(
-            model, warm, counts, gap_rel=gap_rel, lp_solver=lp_solver(solver), root_bound=lp_bound if not cuts else None,
-            solver_name=solver,
-        )
-        res = proven or solve_model(
-            model,
-            solver,
-            time_limit_s=remaining,
-            gap_rel=gap_rel,
-            gap_abs=1e-7,
-            threads=opts.threads,
-            warm_start=warm,
-            # branch on class counts first (CBC's preprocessing would substitute the count columns away), then
-            # on how many members of a class reach each option level: llama-small x48 at 0.5 GiB, gap 5.8e-4
-            # after 500 s without the level counts, proven in ~15 s with them (issue 14)
-            priorities={**{k: 1 for k in idx.K}, **{n: 2 for n, _, _ in idx.N}} or None,
-            options=["preprocess off"],
-        )
-        if res.x is None or not binaries or cuts >= _MAX_CUTS:
-            return res, cuts, proven is not None
-        y, r = decision_from(problem, idx, res.x)
-        if math.ceil(problem.peak(y, problem.snap(y, r)) - 1e-6) <= budget:
-            return res, cuts, proven is not None
-        if limits.expired():  # no time for another round: :func:`_solve` repairs the few bytes over, unproven
-            if res.status == OPTIMAL:
-                res = dataclasses.replace(res, status=TIME_LIMIT)
-            return res, cuts, False
-        ones = [j for j in binaries if res.x[j] > 0.5]
-        zeros = [j for j in binaries if res.x[j] <= 0.5]
-        model.add_row(f"cut{cuts}", zeros + ones, [1.0] * len(zeros) + [-1.0] * len(ones), lb=1.0 - len(ones))
-        cuts += 1
-
+def _warn_unproven(plan: Plan, opts: SolverOptions) -> None:
+    """One :class:`TimeLimitWarning` when a limit ended the search before its proof, or when the wall-clock
+    safety net cut any part of it short (then the plan may differ from run to run)."""
+    stops = limits.stops()
+    if plan.status == TIME_LIMIT:
+        warnings.warn(time_limit_message(opts.time_limit_s, plan.objective_ms, plan.bound_ms, plan.gap, stops,
+                                         opts.work_limit), TimeLimitWarning, stacklevel=4)
+    elif any(what == limits.WALL_CLOCK for what, _ in stops):
+        warnings.warn("the wall-clock time limit cut part of the search short (" + ", ".join(plan.meta["stopped_by"])
+                      + "): this plan may differ on a faster or less loaded machine and between ranks; raise "
+                      "time_limit_s", TimeLimitWarning, stacklevel=4)

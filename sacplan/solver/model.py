@@ -132,6 +132,7 @@ class RunSettings:
         threads: solver threads (None: one, deterministic).
         warm_start: a full column vector to start from, or None.
         feas_tol: primal feasibility tolerance (model units: GiB for the SAC rows).
+        node_limit: branch-and-bound nodes the run may explore (None: none); deterministic, unlike the time limit.
     """
 
     time_limit_s: float | None = None
@@ -140,6 +141,7 @@ class RunSettings:
     threads: int | None = None
     warm_start: Sequence[float] | None = None
     feas_tol: float = 1e-9
+    node_limit: int | None = None
 
     def fields(self) -> tuple[float | None, float, float, int | None, Sequence[float] | None, float]:
         """``(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol)``."""
@@ -159,6 +161,10 @@ class SolveResult:
     solver: str
     raw_status: str = ""
     log: str = ""
+    #: branch-and-bound nodes explored (what the run charged to the call's work budget)
+    nodes: int = 0
+    #: what cut the run short: "" (nothing), ``limits.WORK_LIMIT`` (deterministic) or ``limits.WALL_CLOCK``
+    stopped_by: str = ""
 
 
 def relative_gap(objective: float, bound: float) -> float:

@@ -182,8 +182,9 @@ def module_options(
                 cap = max(0, min(A, int(round(A * (1.0 - r)))))
                 try:
                     sel, sl = fill(cap)
-                    if sl > 0 and not limits.expired():  # fractional: the exact knapsack (past the time budget
-                        sel, sl = knapsack(ops, saved_groups, free, cap, solver, stop)  # the fill, within sl)
+                    # fractional: the exact knapsack (past the wall-clock safety net the fill, within sl)
+                    if sl > 0 and not limits.past_deadline("op-level options"):
+                        sel, sl = knapsack(ops, saved_groups, free, cap, solver, stop)
                 except InfeasibleBudgetError:
                     continue
                 sels.append(sel)

@@ -1,7 +1,7 @@
 """How a plan is searched for: the solver settings, in one validated object.
 
 :class:`SolverOptions` holds *how* the MILP is solved — back-end, wall-clock budget, gap, threads, op-level
-options — and nothing of *what* is planned (the tree, the budget, the world size and the units are the
+options, the deterministic work limit — and nothing of *what* is planned (the tree, the budget, the world size and the units are the
 problem). Every public solving call (:func:`~sacplan.solver.milp.solve`, ``min_feasible_budget``,
 ``recompute_lower_bound``, ``certify``, ``sweep``, ``fit_to_budget``, ``sac_milp``) accepts
 ``options=SolverOptions(...)`` or the same settings as keywords (shorthand for its fields), never both, and
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from sacplan.errors import ConfigError
 from sacplan.solver.backends import check_solver
-from sacplan.solver.limits import DEFAULT_SOLVE_S, check_time_limit
+from sacplan.solver.limits import DEFAULT_SOLVE_S, DEFAULT_WORK_NODES, check_time_limit
 
 #: accepted values of :attr:`SolverOptions.on_interrupt`
 ON_INTERRUPT = ("raise", "incumbent")
@@ -35,8 +35,13 @@ class SolverOptions:
     Attributes:
         solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``; the back-end
             that runs is :attr:`backend`.
-        time_limit_s: wall-clock budget (s) of the whole call (None: none); stopped there, the best plan found
-            is returned with its proven gap. Default 60 (``certify`` 300).
+        work_limit: the deterministic budget of the whole call, in branch-and-bound nodes (the solvers' own node
+            counts plus one per LP of sacplan's count branching; None: none). Stopped there, the best plan found
+            is returned with its proven gap, and it is the same plan on every run and every rank, whatever the
+            machine's load. Default :data:`~sacplan.solver.limits.DEFAULT_WORK_NODES`.
+        time_limit_s: wall-clock budget (s) of the whole call (None: none): the safety net. Stopped there, the
+            best plan found is returned with its proven gap, and ``plan.meta["stopped_by"]`` and the warning say
+            that this plan depends on the machine's speed and load. Default 60 (``certify`` 300).
         gap_rel: relative optimality gap to prove, in [0, 1).
         threads: solver threads (None: 1, deterministic).
         op_level: realise ratios as op save lists (else ratio-only decisions).
@@ -51,6 +56,7 @@ class SolverOptions:
     solver: str = "auto"
     time_limit_s: float | None = DEFAULT_SOLVE_S
     gap_rel: float = 1e-4
+    work_limit: int | None = DEFAULT_WORK_NODES
     threads: int | None = None
     op_level: bool = True
     exact: bool | None = None
@@ -70,7 +76,7 @@ class SolverOptions:
         if not 0.0 <= gap < 1.0:
             raise ConfigError(f"gap_rel must be a number in [0, 1), e.g. 1e-4, got {self.gap_rel!r}")
         object.__setattr__(self, "gap_rel", gap)
-        for name in ("threads", "max_options"):
+        for name in ("threads", "max_options", "work_limit"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")

@@ -20,6 +20,7 @@ import numpy as np
 from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
+from sacplan.solver.descent import improve
 from sacplan.solver.formulation import MilpIndex, build_min_peak_model, columns_for, decision_from, fix_y
 from sacplan.solver.limits import lifted
 from sacplan.solver.model import MilpModel, SolveResult, relaxed
@@ -27,30 +28,34 @@ from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 
 
-#: Seconds the heuristic may spend on a min-peak MILP for its first plan when its roundings all fail, even when
-#: a quarter of the time limit is less (BERT-large: 0.15 s)
-_FIRST_PLAN_S = 0.5
+#: Branch-and-bound nodes the heuristic may spend on a min-peak MILP for its first plan when its roundings all
+#: fail (deterministic; drawn from the call's work budget)
+FIRST_PLAN_NODES = 1_000
 
 
 def heuristic(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
     """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
-    LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end, threads and the call's time
-    limit (its first plan may overrun a tiny limit slightly: LPs only, and a min-peak MILP of at most 2 s)."""
+    LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end and threads. Deterministic: a fixed
+    sequence of LPs, a min-peak MILP of at most :data:`FIRST_PLAN_NODES` nodes and a local descent of a bounded
+    number of moves; the call's wall-clock limit (the safety net) only ends the LPs after the first plan and the
+    descent, and that is recorded."""
     if problem.num_candidates == 0:
         return None, None
-    left = limits.remaining()  # what the call's budget has left for the local descent after the first plan
     with lifted():  # LPs only: the first plan comes even from a spent time budget
-        return _heuristic(problem, model, idx, budget, opts, left)
+        first, lp_bound = _heuristic(problem, model, idx, budget, opts, limits.remaining())
+    if first is not None and problem.exact:  # under the call's limits again: the safety net can end the descent
+        first = improve(problem, first[0], first[1], budget)
+    return first, lp_bound
 
 
 def _heuristic(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions,
     left: float | None = None,
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
-    t0 = time.perf_counter()
-    solver, threads, time_limit_s = lp_solver(opts.backend), opts.threads, opts.time_limit_s
+    t0 = time.monotonic()
+    solver, threads = lp_solver(opts.backend), opts.threads
     lp = relaxed(model)
     res = solve_model(lp, solver, threads=threads)
     if res.x is None:
@@ -58,17 +63,17 @@ def _heuristic(
     lp_bound = res.objective
     yl = np.array([res.x[j] for j in idx.y])
     best: tuple[float, np.ndarray, np.ndarray] | None = None
-    quick = 2.0 if time_limit_s is None else min(2.0, 0.25 * time_limit_s)
 
     def units() -> Iterator[np.ndarray]:
         # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
         for thr in (1e-6, 0.25, 0.5, 0.75):
-            if best is not None and left is not None and time.perf_counter() - t0 >= left:
-                return  # a plan in hand and the call's budget spent: no more LPs over the whole model
+            if best is not None and left is not None and time.monotonic() - t0 >= left:
+                limits.stopped(limits.WALL_CLOCK, "heuristic")  # safety net: a plan in hand, the clock spent
+                return
             yield _unnest(problem, (yl > thr).astype(float), yl)
         if best is None:  # none fits (the LP spread y over nested chains): the units of a min-peak plan
-            try:  # a first plan is worth a short overrun of a tiny limit (like the LPs above)
-                yield solve_min_peak(problem, opts.replace(solver=solver), time_limit_s=min(2.0, max(quick, _FIRST_PLAN_S)))[1]
+            try:
+                yield solve_min_peak(problem, opts.replace(solver=solver), node_limit=FIRST_PLAN_NODES)[1]
             except SolverError:
                 return
 
@@ -92,9 +97,6 @@ def _heuristic(
             best = (val, y2, r2)
     if best is None:
         return None, lp_bound
-    if problem.exact:
-        limit = quick if left is None else min(quick, 0.25 * max(0.0, left - (time.perf_counter() - t0)))
-        return improve(problem, best[1], best[2], budget, time_limit_s=limit), lp_bound
     return (best[1], best[2]), lp_bound
 
 
@@ -157,103 +159,6 @@ def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.nda
     return r
 
 
-def improve(
-    problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, time_limit_s: float = 2.0
-) -> tuple[np.ndarray, np.ndarray]:
-    """Local descent over option levels of a feasible exact-mode decision (a better incumbent).
-
-    Moves, best saving first, each checked exactly in bytes: a checkpointed module one option cheaper, or
-    not checkpointed at all; and where that alone does not fit, one to three options cheaper for it with as
-    many options more for another checkpointed module as that needs, when the pair saves time. Stops when
-    no move saves or after ``time_limit_s``. Each check is a matrix-vector step on
-    :meth:`SacProblem.linear_terms`.
-    """
-    t0 = time.perf_counter()
-    C, Y = problem.linear_terms()
-    if np.any(problem.ev_surge >= 0):  # each move checked against the largest surge its slot can add: safe
-        Y = Y.copy()
-        at = np.nonzero(problem.ev_surge >= 0)[0]
-        Y[at, problem.ev_surge[at]] += problem.surge_top()[at]
-    nc = problem.num_candidates
-    opts = [problem.options(s) for s in range(nc)]
-    if any(o is None for o in opts) or nc == 0:
-        return y, r
-    w = np.array([c.calls * c.recompute_ms for c in problem.candidates])
-    y = (np.asarray(y, dtype=float) > 0.5).astype(float)
-    lvl = np.array([opts[s].level_for(float(r[s])) if y[s] > 0.5 else -1 for s in range(nc)])
-    ratio = lambda s, k: 0.0 if k < 0 else opts[s].ratio[k]  # noqa: E731
-    qcost = lambda s, k: 0.0 if k < 0 else w[s] * opts[s].frac[k]  # noqa: E731
-    ratios_of = [np.asarray(o.ratio) for o in opts]
-    r = np.array([ratio(s, lvl[s]) for s in range(nc)])
-    m = problem.ev_base - C @ r + Y @ y
-    lim = budget + 1e-6
-    if np.max(m) > lim:
-        return y, r
-    while time.perf_counter() - t0 < time_limit_s:
-        on = np.nonzero(lvl >= 0)[0]
-        if not len(on):
-            break
-        # single moves: one level down (or off from level 0), or off from any level
-        down = np.array([lvl[s] - 1 for s in on])
-        d_r = np.array([ratio(s, k) - r[s] for s, k in zip(on, down)])
-        d_y = np.where(down < 0, -1.0, 0.0)
-        save = np.array([qcost(s, lvl[s]) - qcost(s, k) for s, k in zip(on, down)])
-        new = m[:, None] - C[:, on] * d_r[None, :] + Y[:, on] * d_y[None, :]
-        ok = np.max(new, axis=0) <= lim
-        off_save = np.array([qcost(s, lvl[s]) for s in on])
-        off_new = m[:, None] + C[:, on] * r[on][None, :] - Y[:, on]
-        off_ok = np.max(off_new, axis=0) <= lim
-        best_s, best_val, best_k = -1, 1e-12, 0
-        for i, s in enumerate(on):
-            if ok[i] and save[i] > best_val:
-                best_s, best_val, best_k = s, save[i], down[i]
-            if off_ok[i] and off_save[i] > best_val:
-                best_s, best_val, best_k = s, off_save[i], -1
-        if best_s >= 0:
-            s = best_s
-            nr, ny = ratio(s, best_k), (1.0 if best_k >= 0 else 0.0)
-            m = m - C[:, s] * (nr - r[s]) + Y[:, s] * (ny - y[s])
-            r[s], y[s], lvl[s] = nr, ny, best_k
-            continue
-        # pair moves: s one to three levels down, t (checkpointed) up by as many levels as that needs
-        moved = False
-        best = (1e-9, -1, -1, -1, -1)  # gain, s, s level, t, t level
-        for s_ in on[np.argsort(-save)]:
-            for k in range(lvl[s_] - 1, max(-1, lvl[s_] - 4), -1):
-                gain_s = qcost(s_, lvl[s_]) - qcost(s_, k)
-                if gain_s <= best[0]:
-                    continue
-                excess = m - C[:, s_] * (ratio(s_, k) - r[s_]) - lim
-                bind = np.nonzero(excess > 0)[0]
-                if not len(bind):
-                    continue  # a single move, taken above when it saved most
-                ts = on[on != s_]
-                cb = C[np.ix_(bind, ts)]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    need = np.where(cb > 0, excess[bind][:, None] / cb, np.inf).max(axis=0)  # Δr per t
-                for t, dr in zip(ts, need):
-                    if not np.isfinite(dr):
-                        continue
-                    kt = int(np.searchsorted(ratios_of[t], r[t] + dr - 1e-12))
-                    if kt >= len(ratios_of[t]):
-                        continue
-                    gain = gain_s - (qcost(t, kt) - qcost(t, lvl[t]))
-                    if gain > best[0]:
-                        best = (gain, int(s_), k, int(t), kt)
-        if best[1] >= 0:
-            _, s_, k, t, kt = best
-            moves = ((s_, k), (t, kt))
-            m2 = m - sum(C[:, u] * (ratio(u, kk) - r[u]) for u, kk in moves)
-            moved = bool(np.max(m2) <= lim)  # exact re-check of the pair
-            if moved:
-                m = m2
-                for u, kk in moves:
-                    r[u], lvl[u] = ratio(u, kk), kk
-        if not moved:
-            break
-    return y, r
-
-
 def repair(
     problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, max_iter: int | None = None
 ) -> np.ndarray | None:
@@ -281,18 +186,18 @@ def repair(
 
 
 def solve_min_peak(
-    problem: SacProblem, opts: SolverOptions, time_limit_s: float | None = None
+    problem: SacProblem, opts: SolverOptions, node_limit: int | None = None
 ) -> tuple[int, np.ndarray, np.ndarray, SolveResult, float]:
-    """Solve the min-peak MILP with ``opts``' back-end and threads within ``time_limit_s`` (s; None: the
-    enclosing :func:`~sacplan.solver.limits.deadline` only); returns (ceil of the exact peak of its solution,
-    y, r, result, build_s)."""
+    """Solve the min-peak MILP with ``opts``' back-end and threads within ``node_limit`` branch-and-bound nodes
+    (None: the call's work budget only; the wall-clock :func:`~sacplan.solver.limits.deadline` is the safety net);
+    returns (ceil of the exact peak of its solution, y, r, result, build_s)."""
     t0 = time.perf_counter()
     model, idx = build_min_peak_model(problem)
     nc = problem.num_candidates
     warm = columns_for(problem, model, idx, np.zeros(nc), np.zeros(nc))
     build_s = time.perf_counter() - t0
-    res = solve_model(model, opts.backend, time_limit_s=time_limit_s, gap_rel=1e-9, gap_abs=1e-9, threads=opts.threads,
-                      warm_start=warm)
+    res = solve_model(model, opts.backend, gap_rel=1e-9, gap_abs=1e-9, threads=opts.threads, warm_start=warm,
+                      node_limit=node_limit)
     if res.x is None:
         raise SolverError(f"the min-peak MILP returned no solution ({res.solver}: {res.raw_status})")
     y, _ = decision_from(problem, idx, res.x)

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -51,11 +52,19 @@ from sacplan.solver.problem import SacProblem
 
 #: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
 MAX_BINDING = 16
-#: binding events above which the DP gets at most :data:`WIDE_MAX_S` seconds: its fronts are then small only on
+#: binding events above which the DP gets at most :data:`WIDE_WORK` work units: its fronts are then small only on
 #: small models (the tiny conformance models: 5-16 events, proofs in milliseconds), so a run that would fail
 #: fails early and leaves the MILP its time
 WIDE = 4
-WIDE_MAX_S = 1.0
+#: The DP's deterministic work limits (issue 26: the same plan on every run, whatever the machine's load): work
+#: units are numbers touched — coordinates of the pairs a Minkowski sum forms, point-pair coordinates a Pareto
+#: filter compares, option rows an event screen compares — counted, never timed. Giving up at the same count on
+#: every run, the DP leaves the MILP the same problem. Measured on a loaded 2-core host: Llama x32 at 90% of its
+#: peak (12 binding events) 3.0e8 units in 2.9 s; the tiny Mixtral near its minimum spent 4e8 units in well over
+#: 10 s (its fronts' sweeps cost more per unit). So :data:`WORK` is a few seconds of a quiet core, ~10-30 s there,
+#: and :data:`WIDE_WORK` (more than :data:`WIDE` binding events) about the old 1 s share of a quiet core.
+WORK = 1_000_000_000
+WIDE_WORK = 100_000_000
 #: events that can exceed the budget above which the DP does not screen them for the binding ones
 MAX_SCREENED = 5_000
 #: points one front may keep before the DP gives up
@@ -64,8 +73,6 @@ MAX_FRONT = 200_000
 MAX_PAIRS = 20_000_000
 #: pairs summed at once (bounds the memory of one chunk: ~(K+1)·8 bytes each)
 CHUNK_PAIRS = 1_000_000
-#: most seconds :func:`~sacplan.solver.milp.solve` gives the DP (and at most a tenth of its limit)
-TREE_DP_MAX_S = 5.0
 #: float slack of the relaxation, relative to the largest byte figure summed (the exact check decides): sums of
 #: n terms err by at most ~n·2.2e-16 of it, below this for n up to thousands of candidates
 TOL_REL = 1e-12
@@ -99,18 +106,16 @@ class Front:
         self.cost, self.vec, self.roots, self.neg, self.pos, self.recover = cost, vec, roots, neg, pos, recover
 
 
-def in_time(deadline: float | None) -> None:
-    """:class:`TreeDpGaveUp` once ``deadline`` (``time.monotonic()`` seconds; None: none) has passed."""
-    if deadline is not None and time.monotonic() > deadline:
-        raise TreeDpGaveUp("time limit")
+#: charges work units (and raises :class:`TreeDpGaveUp` past the limit); None: not counted
+Spend = Optional[Callable[[int], None]]
 
 
-def pareto(cost: np.ndarray, vec: np.ndarray, deadline: float | None = None) -> np.ndarray:
+def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray:
     """Indices of the points not dominated (cost <=, every coordinate >=; of equal points the first), by cost.
 
-    Checks ``deadline`` (:func:`in_time`) between blocks: with 3 or more coordinates the filter is quadratic in
-    the points kept (50,000 mutually non-dominated points in 8 coordinates: ~50 s), so a front that grows too
-    large ends in :class:`TreeDpGaveUp` on time, or once it keeps more than :data:`MAX_FRONT` points."""
+    Charges ``spend`` between blocks: with 3 or more coordinates the filter is quadratic in the points kept
+    (50,000 mutually non-dominated points in 8 coordinates: ~50 s), so a front that grows too large ends in
+    :class:`TreeDpGaveUp` at the work limit, or once it keeps more than :data:`MAX_FRONT` points."""
     n, K = vec.shape
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -121,14 +126,15 @@ def pareto(cost: np.ndarray, vec: np.ndarray, deadline: float | None = None) -> 
         keep[1:] = v[1:, 0] > np.maximum.accumulate(v[:, 0])[:-1]
         return order[keep]
     if K == 2:
-        return order[pareto_2d(v, deadline)]
+        return order[pareto_2d(v, spend)]
     kept: list[np.ndarray] = []  # K >= 3: a plain filter, block by block against the points kept
     n_kept = 0
     for lo in range(0, n, 256):
-        in_time(deadline)
         if n_kept > MAX_FRONT:
             raise TreeDpGaveUp(f"a front reached {n_kept} points (> {MAX_FRONT})")
         cv = v[lo:lo + 256]
+        if spend is not None:
+            spend((n_kept + len(cv)) * len(cv) * K)
         kv = v[np.concatenate(kept)] if kept else np.empty((0, K))
         dom = (kv[:, None, :] >= cv[None, :, :]).all(-1).any(0) if len(kv) else np.zeros(len(cv), dtype=bool)
         inner = (cv[None, :, :] >= cv[:, None, :]).all(-1)  # inner[i, j]: j dominates i
@@ -154,7 +160,7 @@ def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (stair[i, 0] >= v[:, 0]) & (stair[i, 1] >= v[:, 1])
 
 
-def pareto_2d(v: np.ndarray, deadline: float | None = None) -> np.ndarray:
+def pareto_2d(v: np.ndarray, spend: Spend = None) -> np.ndarray:
     """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
     has both coordinates >=. Vectorised pass: each block against the staircase of every earlier block (most
     points go); then an exact sweep over the few left with a staircase in lists."""
@@ -163,8 +169,9 @@ def pareto_2d(v: np.ndarray, deadline: float | None = None) -> np.ndarray:
     stair = np.empty((0, 2))
     left: list[np.ndarray] = []
     for lo in range(0, n, block):
-        in_time(deadline)
         cv = v[lo:lo + block]
+        if spend is not None:
+            spend(2 * (len(cv) + len(stair)))
         left.append(np.nonzero(~dominated_by(stair, cv))[0] + lo)
         stair = staircase(np.concatenate([stair, cv]))
     idx = np.concatenate(left)
@@ -172,8 +179,8 @@ def pareto_2d(v: np.ndarray, deadline: float | None = None) -> np.ndarray:
     ys: list[float] = []
     keep = []
     for t, (j, a, b) in enumerate(zip(idx.tolist(), v[idx, 0].tolist(), v[idx, 1].tolist())):
-        if t % 4096 == 0:
-            in_time(deadline)
+        if t % 4096 == 0 and spend is not None:
+            spend(4096 * 8)  # bisect, compare, list edits: a few dozen operations per point
         i = bisect.bisect_left(xs, a)
         if i < len(xs) and ys[i] >= b:
             continue
@@ -191,8 +198,9 @@ def pareto_2d(v: np.ndarray, deadline: float | None = None) -> np.ndarray:
 class TreeDp:
     """One run of the DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
 
-    def __init__(self, problem: SacProblem, budget: float, deadline: float) -> None:
-        self.P, self.deadline, self.sizes = problem, deadline, []
+    def __init__(self, problem: SacProblem, budget: float, work: int | None = WORK) -> None:
+        self.P, self.sizes = problem, []
+        self.work, self.work_max = 0, (math.inf if work is None else work)
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
         C, Y = problem.linear_terms()
@@ -221,7 +229,7 @@ class TreeDp:
         self.reduce_events()
         K = len(self.need)
         if K > WIDE:
-            self.deadline = min(self.deadline, time.monotonic() + WIDE_MAX_S)
+            self.work_max = min(self.work_max, WIDE_WORK)
         self.neg, self.pos = self.bounds()
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
         self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
@@ -233,6 +241,15 @@ class TreeDp:
         self.sig_ids: dict[tuple, int] = {}
         self.memo: dict[int, Front] = {}
         self.zero = Front(np.zeros(1), np.zeros((1, K)), 0, np.zeros(K), np.zeros(K), lambda i, slots: [])
+
+    def spend(self, units: int) -> None:
+        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
+        wall-clock safety net fires (recorded by :func:`~sacplan.solver.limits.past_deadline`)."""
+        self.work += int(units)
+        if self.work > self.work_max:
+            raise TreeDpGaveUp(f"work limit ({self.work_max:,} units)")
+        if limits.past_deadline("tree DP"):
+            raise TreeDpGaveUp("wall-clock safety net (time limit)")
 
     def bounds(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per slot, ``neg_s = min(0, min_k v_{s,k})`` and ``pos_s = max(0, max_k v_{s,k})`` per binding event
@@ -252,8 +269,7 @@ class TreeDp:
         low = np.sum(self.bounds()[0], axis=0)
         kept: list[int] = []
         for t, e in enumerate(np.argsort(-self.need, kind="stable").tolist()):
-            if t % 64 == 0:
-                in_time(self.deadline)
+            self.spend(len(V) * max(1, len(kept)))
             if self.need[e] <= low[e]:  # met by every decision (and the caps below need need > Σ neg)
                 continue
             if kept and (V[:, kept] <= V[:, e:e + 1]).all(0).any():
@@ -282,13 +298,13 @@ class TreeDp:
         place)."""
         np.minimum(vec, self.need - (self.N - neg), out=vec)
         ok = np.nonzero((vec + (self.Ptot - pos) >= self.need - self.tol).all(1))[0]
-        return ok[pareto(cost[ok], vec[ok], self.deadline)]
+        return ok[pareto(cost[ok], vec[ok], self.spend)]
 
     def check(self, n: int) -> None:
         self.sizes.append(n)
         if n > MAX_FRONT:
             raise TreeDpGaveUp(f"a front reached {n} points (> {MAX_FRONT})")
-        in_time(self.deadline)
+        self.spend(n)
 
     def add(self, a: Front, b: Front) -> Front:
         """Minkowski sum of two fronts over disjoint subtrees, reduced."""
@@ -313,12 +329,12 @@ class TreeDp:
         lo = 0
         while lo < len(counts):  # reduce chunk by chunk (exact: a point dominated in a chunk is dominated)
             hi = max(lo + 1, int(np.searchsorted(csum, csum[lo] + CHUNK_PAIRS, side="right")) - 1)
+            self.spend(int(csum[hi] - csum[lo]) * (len(self.need) + 1))
             ia = np.repeat(np.arange(lo, hi), counts[lo:hi])
             ib = ob[start[ia] + np.arange(len(ia)) - (csum[ia] - csum[lo])]
             cost, vec = a.cost[ia] + b.cost[ib], a.vec[ia] + b.vec[ib]
             k = self.reduce(cost, vec, neg, pos)
             parts.append((cost[k], vec[k], ia[k], ib[k]))
-            in_time(self.deadline)
             lo = hi
         cost, vec, ia, ib = (np.concatenate(x) for x in zip(*parts))
         if len(parts) > 2:
@@ -394,16 +410,14 @@ class TreeDp:
 
 
 def solve_tree_dp(
-    problem: SacProblem, budget: float, time_limit_s: float | None = 1.0, why: list[str] | None = None
+    problem: SacProblem, budget: float, work: int | None = WORK, why: list[str] | None = None
 ) -> TreeDpResult | None:
     """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the tree DP, or None when it does not
-    apply, would be too large or slow (``time_limit_s``, also bounded by the active :mod:`~sacplan.solver.limits`
-    deadline), finds no feasible point, or its point fails the exact check; the reason is appended to ``why``."""
+    apply, would be too large or slow (more than ``work`` units, :data:`WORK`; None: no limit but :data:`WIDE_WORK`; or the call's wall-clock safety net
+    fired), finds no feasible point, or its point fails the exact check; the reason is appended to ``why``."""
     t0 = time.monotonic()
-    left = limits.remaining(time_limit_s)
-    deadline = t0 + (left if left is not None else float("inf"))
     try:
-        dp = TreeDp(problem, budget, deadline)
+        dp = TreeDp(problem, budget, work)
         out = dp.solve()
     except TreeDpGaveUp as e:
         if why is not None:

@@ -148,3 +148,31 @@ def test_torch_compile_after_collect_does_not_see_global_hooks():
     finally:
         torch._dynamo.reset()
     assert not [w for w in seen if "global hooks" in str(w.message)]
+
+
+class _ReadsLabels(nn.Module):
+    """Reads a value (answered from the real labels) and runs a CTC loss (a fake kernel of the collection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        assert labels.max() < 5
+        log_probs = self.lin(x).log_softmax(-1).transpose(0, 1)
+        lengths = (labels > 0).sum(-1)
+        return nn.functional.ctc_loss(log_probs, labels[labels > 0], torch.full((2,), 6), lengths)
+
+
+@pytest.mark.parametrize("device", [CPU, "h100"], ids=["cpu", "h100"])
+def test_collect_answering_values_restores_global_state(outer, device):
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as fa
+
+    labels = torch.tensor([[1, 2, 0], [3, 0, 0]])
+    flex = (fa.flex_attention_hop, fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
+    compile_disabled = torch._dynamo.config.disable
+    _check_unchanged(lambda: collect(_ReadsLabels(), (torch.randn(2, 6, 8), labels), device=device,
+                                     loss_fn=lambda out: out), outer)
+    assert (fa.flex_attention_hop, fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG) == flex
+    assert torch._dynamo.config.disable == compile_disabled

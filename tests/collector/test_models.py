@@ -282,7 +282,7 @@ class CallsItem(nn.Module):
 
 
 def test_item_in_forward_names_the_module():
-    with pytest.raises(CollectionError, match=r"in module 'bad' \(CallsItem\)") as info:
+    with pytest.raises(CollectionError, match=r"in module 'bad' \(CallsItem\.bad: ItemInForward\)") as info:
         collect(CallsItem(), (torch.randn(2, 8),), device=CPU)
     assert ".item()" in str(info.value)
 

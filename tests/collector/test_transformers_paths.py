@@ -126,3 +126,55 @@ def test_default_config_collects_the_step_a_plan_runs() -> None:
     plain = collect(lambda: _llama(use_cache=False), (ids,), device=CPU, optimizer=False, loss_fn=_loss)
     assert cached.peak_bytes == plain.peak_bytes
     assert [e.peak_bytes for e in cached.events] == [e.peak_bytes for e in plain.events]
+
+
+def _wav2vec2_ctc(layerdrop: float = 0.0):
+    cfg = transformers.Wav2Vec2Config(
+        vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=layerdrop, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForCTC(cfg)
+
+
+def _speech() -> dict:
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(1, 16, (2, 12), generator=g)
+    labels[1, 9:] = -100  # padding, as a data collator pads labels
+    return {"input_values": torch.randn(2, 1600, generator=g), "labels": labels}
+
+
+def _wav2vec2_stats():
+    return collect(_wav2vec2_ctc, _speech(), device=CPU, loss_fn=lambda out: out.loss, optimizer=False)
+
+
+def test_wav2vec2_ctc_collects_with_the_real_labels() -> None:
+    """Its forward reads ``labels.max()``, selects targets with a mask and calls ``ctc_loss`` with tensor lengths:
+    answered from the real labels; the CTC op is the one a real step runs (int-list lengths)."""
+    stats = _wav2vec2_stats()
+    ctc = [o for o in stats.module("").ops if o.name.startswith("aten._ctc_loss")]
+    t = stats.module("lm_head").output_bytes // (2 * 16 * 4)  # frames after the feature encoder
+    assert [o.name for o in ctc] == ["aten._ctc_loss.default"]
+    assert ctc[0].out_bytes == 2 * 4 + 2 * t * (2 * 12 + 1) * 4  # nll (B,) + log_alpha (B, T, 2 * 12 + 1) fp32
+
+
+@pytest.mark.slow
+def test_wav2vec2_ctc_prediction_is_its_real_cpu_step() -> None:
+    from sacplan.solver import solve
+    from sacplan.tree import ModuleTree
+    from sacplan.units import Bytes
+    from sacplan.validation import validate
+
+    stats = _wav2vec2_stats()
+    plan = solve(ModuleTree(stats), Bytes(stats.peak_bytes))
+    rep = validate(_wav2vec2_ctc, _speech, plan, loss_fn=lambda out: out.loss, optimizer=False, device="cpu",
+                   timed_steps=1)
+    assert rep.baseline_peak_error == 0.0, rep.summary()
+
+
+def test_wav2vec2_layerdrop_is_named_with_its_setting() -> None:
+    from sacplan.errors import CollectionError
+
+    with pytest.raises(CollectionError, match=r"wav2vec2\.encoder.*layerdrop = 0\.0"):
+        collect(lambda: _wav2vec2_ctc(layerdrop=0.1), _speech(), device=CPU, loss_fn=lambda out: out.loss)

@@ -205,12 +205,12 @@ def test_cli_ctrl_c_exits_130_without_a_partial_file(tmp_path):
 def test_on_interrupt_incumbent_returns_the_best_plan_so_far(monkeypatch):
     import importlib
 
-    milp_mod = importlib.import_module("sacplan.solver.milp")
+    budget_mod = importlib.import_module("sacplan.solver.budget_milp")
 
     def interrupted(*a, **k):  # Ctrl-C before the search found anything better than the heuristic's plan
         raise limits.SolveInterrupted(None)
 
-    monkeypatch.setattr(milp_mod, "_solve_budget_model", interrupted)
+    monkeypatch.setattr(budget_mod, "_exact_in_bytes", interrupted)
     tree = llama_tree(8)
     budget = int(baseline_peak(tree) * 0.7)
     opts = SolverOptions(tree_dp=False)  # the MILP's search, which Ctrl-C interrupts (the DP proves this in ms)

@@ -10,6 +10,7 @@ import pytest
 from sacplan.errors import ConfigError, InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
 from sacplan.solver import SolverOptions, baseline_peak, min_feasible_budget, solve
+from sacplan.solver import budget_milp as budget_mod
 from sacplan.solver import milp as milp_mod
 from sacplan.solver import search as search_mod
 from sacplan.solver.candidates import envelope
@@ -89,6 +90,7 @@ def test_budget_at_or_above_baseline_is_an_empty_plan(budget, monkeypatch):
         raise AssertionError("the solver must not run when no checkpointing is needed")
 
     monkeypatch.setattr(milp_mod, "solve_model", no_solver)
+    monkeypatch.setattr(budget_mod, "solve_model", no_solver)
     monkeypatch.setattr(search_mod, "solve_model", no_solver)
     plan = solve(hand_tree(), budget, ac_units=UNITS)
     assert plan.status == "not needed"
@@ -191,7 +193,7 @@ def test_fsdp_units_forbid_ancestors():
 @pytest.mark.parametrize("search", [True, False], ids=["milp-search", "lp-proof-allowed"])
 def test_cbc_and_highs_agree(n_blocks, frac, search, monkeypatch):
     if search:  # make both back-ends run their branch-and-bound (no LP proof, no tree DP)
-        monkeypatch.setattr(milp_mod, "prove_by_lp_branching", lambda *a, **k: None)
+        monkeypatch.setattr(budget_mod, "prove_by_lp_branching", lambda *a, **k: None)
     opts = SolverOptions(gap_rel=1e-9, tree_dp=not search)
     tree = llama_tree(n_blocks)
     budget = int(baseline_peak(tree) * frac)
@@ -222,20 +224,20 @@ def test_deterministic():
 
 
 def test_time_limit_returns_best_plan_with_gap_and_warns(monkeypatch):
-    real = milp_mod.solve_model
+    real = budget_mod.solve_model
     calls = {"n": 0}
 
     def stopped(model, solver, **kw):
         res = real(model, solver, **kw)
-        if kw.get("time_limit_s") is not None and any(model.col_int):
+        if kw.get("options") == ["preprocess off"] and any(model.col_int):  # the budget MILP's search
             calls["n"] += 1
             # what a solver reports when it stops early: the incumbent and a weaker bound
             return SolveResult(TIME_LIMIT, res.x, res.objective, res.objective * 0.9, 0.1, res.solve_s, solver, "Stopped on time")
         return res
 
-    monkeypatch.setattr(milp_mod, "solve_model", stopped)
+    monkeypatch.setattr(budget_mod, "solve_model", stopped)
     monkeypatch.setattr(search_mod, "solve_model", stopped)
-    monkeypatch.setattr(milp_mod, "prove_by_lp_branching", lambda *a, **k: None)  # force the MILP search
+    monkeypatch.setattr(budget_mod, "prove_by_lp_branching", lambda *a, **k: None)  # force the MILP search
     tree = llama_tree(4)
     budget = int(baseline_peak(tree) * 0.7)
     with pytest.warns(TimeLimitWarning, match=r"gap 10\.0000%"):

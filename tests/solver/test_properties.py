@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from sacplan.errors import InfeasibleBudgetError
-from sacplan.solver import milp as milp_mod
+from sacplan.solver import budget_milp as budget_mod
 from sacplan.solver import solve
 from sacplan.testing.synthetic import build_tree, random_spec
 from oracles import antichains, oracle
@@ -102,7 +102,7 @@ def test_milp_equals_brute_force(seed, u, world_size, solver, search):
         return
     with contextlib.ExitStack() as stack:
         if search:  # no shortcut: the back-end's branch-and-bound must prove the optimum
-            stack.enter_context(mock.patch.object(milp_mod, "prove_by_lp_branching", lambda *a, **k: None))
+            stack.enter_context(mock.patch.object(budget_mod, "prove_by_lp_branching", lambda *a, **k: None))
         plan = solve(tree, budget, world_size=world_size, solver=solver, op_level=False, gap_rel=1e-9, ac_units=units)
     assert plan.predicted_peak_bytes <= budget
     (brute, arg), _ = brute_force(tree, cands, base, C, X, budget)

@@ -27,6 +27,7 @@ from sacplan.solver import SolverOptions, solve
 from sacplan.solver import tree_dp as dp_mod
 from sacplan.solver.milp import baseline_peak
 from sacplan.solver.problem import SacProblem
+from sacplan.solver import limits
 from sacplan.solver.tree_dp import TreeDp, TreeDpGaveUp, pareto, solve_tree_dp
 from sacplan.testing.llama_tree import llama_spec
 from sacplan.testing.synthetic import build_tree, hand_tree
@@ -135,13 +136,18 @@ def test_gives_up(monkeypatch):
     monkeypatch.setattr(dp_mod, "MAX_FRONT", 3)
     assert "a front reached" in gave_up(P, budget)
     monkeypatch.undo()
-    with pytest.raises(TreeDpGaveUp, match="time limit"):
-        TreeDp(P, budget, deadline=0.0).solve()
-    # more than WIDE binding events: at most WIDE_MAX_S seconds, however long the caller allows
+    with pytest.raises(TreeDpGaveUp, match="work limit"):
+        TreeDp(P, budget, work=0).solve()
+    # more than WIDE binding events: at most WIDE_WORK units, however much the caller allows
     monkeypatch.setattr(dp_mod, "WIDE", 0)
-    monkeypatch.setattr(dp_mod, "WIDE_MAX_S", 0.0)
-    assert gave_up(P, budget) == "time limit"
+    monkeypatch.setattr(dp_mod, "WIDE_WORK", 0)
+    assert gave_up(P, budget).startswith("work limit")
     monkeypatch.undo()
+    # the wall clock is only the safety net: when it fires the DP gives up and the call records it
+    with limits.work(None) as stops, limits.deadline(1e-9):
+        time.sleep(0.01)
+        assert gave_up(P, budget) == "wall-clock safety net (time limit)"
+    assert stops == [(limits.WALL_CLOCK, "tree DP")]
     # solve runs the MILP as before, and says why the DP did not apply
     monkeypatch.setattr(dp_mod, "MAX_BINDING", 1)
     plan = solve(tree, budget)
@@ -149,14 +155,27 @@ def test_gives_up(monkeypatch):
     assert plan.meta["tree_dp"].startswith("more than 1 of")
 
 
-def test_pareto_keeps_its_deadline_on_large_fronts():
+def test_pareto_keeps_its_work_limit_on_large_fronts():
     """Mutually non-dominated points are the filter's worst case (quadratic in the points kept with 3 or more
-    coordinates: minutes for 50,000): it must end on time, not after the whole front."""
+    coordinates: minutes for 50,000): it must end at its work limit, not after the whole front, and at the same
+    count on every run (work is counted, never timed)."""
     rng = np.random.default_rng(0)
     for k in (2, 8):
         v = rng.random((60_000, k))
         v /= v.sum(1, keepdims=True)
-        t0 = time.perf_counter()
-        with pytest.raises(TreeDpGaveUp, match="time limit"):
-            pareto(rng.random(len(v)), v, deadline=time.monotonic() - 1.0)
-        assert time.perf_counter() - t0 < 2.0
+        cost = rng.random(len(v))
+        counted = []
+        for _ in range(2):
+            seen = [0]
+
+            def spend(units: int) -> None:
+                seen[0] += units
+                if seen[0] > 1_000_000:
+                    raise TreeDpGaveUp("work limit")
+
+            t0 = time.perf_counter()
+            with pytest.raises(TreeDpGaveUp, match="work limit"):
+                pareto(cost, v, spend)
+            assert time.perf_counter() - t0 < 2.0
+            counted.append(seen[0])
+        assert counted[0] == counted[1] > 1_000_000

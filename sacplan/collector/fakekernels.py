@@ -1,0 +1,162 @@
+"""Fake kernels for ops fake mode cannot run: their output shapes follow from the inputs (sometimes from input
+*values*, read through :class:`~sacplan.collector.realvalues.RealValueMode`).
+
+Each kernel lives only inside the collection's :class:`~sacplan.collector.realvalues.RealValueMode` (a
+dispatch mode): nothing is registered with ``torch.library``, so no global registration outlives
+``collect`` (``tests/collector/test_global_state.py``). A kernel returns fake outputs of the shapes, strides
+and dtypes the real CPU / CUDA kernel returns, or ``NotImplemented`` to let fake mode run the op as usual.
+
+================================  ================================================================================
+op                                fake output
+================================  ================================================================================
+``aten._ctc_loss`` (int lists)    the op's own meta kernel (fake mode refuses it: it is tagged
+                                  ``dynamic_output_shape`` although lists fix the shape): neg_log_likelihood (B,)
+                                  and log_alpha (B, T, 2 * max(target_lengths) + 1) in the log-probs dtype
+``aten._ctc_loss.Tensor``         the same, the lengths read from their real values (they come from labels and
+                                  masks, i.e. the inputs); transformers' CTC heads call this overload
+``aten._ctc_loss_backward``       (no meta kernel) a contiguous tensor of the log-probs' shape and dtype, as the
+(both overloads)                  CPU and CUDA kernels' ``full_like(log_probs, -inf, contiguous)``
+``aten.index.Tensor`` with a      a boolean index with a real value becomes its ``nonzero()`` long indices, as the
+boolean / uint8 index             real kernel does; the indexed tensor itself may be an activation (no value)
+``aten.masked_select``            a 1-D tensor of ``mask``'s (broadcast) count of True elements
+================================  ================================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+#: What a tensor without a real value was computed from (the text errors give).
+NO_VALUE_SOURCES = (
+    "a parameter, buffer or optimizer state, or an activation computed from them (sacplan never materialises "
+    "weights, and a value of the initial weights would not be the trained model's)"
+)
+#: The source when the step's inputs have no real values (made by a factory or a preset).
+FACTORY_SOURCE = (
+    "values sacplan does not have: the inputs were made by a factory or a preset (only real example tensors "
+    "passed to collect have values), and weights are never materialised"
+)
+
+#: The source when the value was drawn at random (or computed from a draw).
+RANDOM_SOURCE = "a random draw (torch.rand / randint / bernoulli...; e.g. LayerDrop's choice of the layers that run)"
+
+
+class UnansweredValue(RuntimeError):
+    """The fake step needed a tensor value (or a value-dependent shape) that no real tensor determines.
+
+    Attributes:
+        op: the aten op that needed it.
+        random: the value comes from a random draw (:data:`RANDOM_SOURCE`).
+    """
+
+    def __init__(self, op: Any, what: str, source: str = NO_VALUE_SOURCES) -> None:
+        self.op, self.what = op, what
+        self.random = source == RANDOM_SOURCE
+        super().__init__(f"{op} needs {what}, which depends on {source}")
+
+
+#: ``kernel(mode, func, args, kwargs) -> outputs | NotImplemented`` (``mode``: the RealValueMode).
+FakeKernel = Callable[[Any, Any, tuple, dict], Any]
+
+
+def _device(*ts: Any) -> torch.device:
+    return next((t.device for t in ts if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def meta_call(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func``'s meta kernel on meta copies of the (fake) tensor arguments; outputs as fakes."""
+    device = _device(*args, *kwargs.values())
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return x
+
+    with _disable_current_modes():
+        out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    return tree_map(lambda m: mode.fake_like(m, device) if isinstance(m, torch.Tensor) else m, out)
+
+
+def _lengths(mode: Any, func: Any, t: Any, name: str) -> list[int]:
+    if not isinstance(t, torch.Tensor):
+        return list(t)
+    v = mode.value_of(t)
+    if v is None:
+        raise UnansweredValue(func, f"the values of {name} (the loss's saved alignment has 2 * max({name}) + 1 columns)")
+    with _disable_current_modes():
+        return [int(x) for x in v.reshape(-1).tolist()]
+
+
+def ctc_loss(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten._ctc_loss`` (both overloads) through the IntList overload's meta kernel."""
+    names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "zero_infinity")
+    b = dict(zip(names, args), **kwargs)
+    log_probs = b["log_probs"]
+    target_lengths = _lengths(mode, func, b["target_lengths"], "target_lengths")
+    il = b["input_lengths"]
+    if isinstance(il, torch.Tensor) and mode.value_of(il) is None:
+        # input lengths fix no shape: the kernel only checks them against T (the real step checks the values)
+        input_lengths = [log_probs.shape[0]] * len(target_lengths)
+    else:
+        input_lengths = _lengths(mode, func, il, "input_lengths")
+    call = (log_probs, b["targets"], input_lengths, target_lengths, b.get("blank", 0), b.get("zero_infinity", False))
+    return meta_call(mode, aten._ctc_loss.default, call, {})
+
+
+def ctc_loss_backward(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten._ctc_loss_backward``: the gradient of the log-probs, contiguous."""
+    log_probs = args[1] if len(args) > 1 else kwargs["log_probs"]
+    return torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
+
+
+def index_bool(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``x[mask]``: a boolean index with a real value becomes its long indices (``nonzero``)."""
+    x = args[0] if args else kwargs["self"]
+    indices = list(args[1] if len(args) > 1 else kwargs["indices"])
+    if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return NotImplemented
+    if all(mode.known(t) for t in [x, *[i for i in indices if i is not None]]):
+        return NotImplemented  # fake mode refuses; the generic real-value answer evaluates the whole op
+    out: list[Any] = []
+    for i in indices:
+        if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+            v = mode.value_of(i)
+            if v is None:
+                raise UnansweredValue(func, "the values of a boolean index (its count of True elements sets the shape)")
+            with _disable_current_modes():
+                cols = [col.contiguous() for col in v.nonzero().unbind(1)]
+            out.extend(mode.fake_like(col, i.device) for col in cols)
+        else:
+            out.append(i)
+    return func(x, out)
+
+
+def masked_select(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``masked_select(x, mask)``: 1-D, as many elements as the broadcast mask has True values."""
+    b = dict(zip(("self", "mask"), args), **kwargs)
+    x, mask = b["self"], b["mask"]
+    if mode.known(x):
+        return NotImplemented
+    v = mode.value_of(mask)
+    if v is None:
+        raise UnansweredValue(func, "the values of its mask (its count of True elements sets the shape)")
+    with _disable_current_modes():
+        n = int(v.expand(torch.broadcast_shapes(x.shape, mask.shape)).sum())
+    return torch.empty((n,), dtype=x.dtype, device=x.device)
+
+
+#: The ops above and their kernels.
+FAKE_KERNELS: dict[Any, FakeKernel] = {
+    aten._ctc_loss.default: ctc_loss,
+    aten._ctc_loss.Tensor: ctc_loss,
+    aten._ctc_loss_backward.default: ctc_loss_backward,
+    aten._ctc_loss_backward.Tensor: ctc_loss_backward,
+    aten.index.Tensor: index_bool,
+    aten.masked_select.default: masked_select,
+}
