@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from sacplan.testing.fuzzcheck import InvalidModel, check_spec, failures
 from sacplan.testing.fuzzmodels import CHECKED, ModelSpec, spec_strategy
 
-#: Examples of the default test: about 1-2 s each on a quiet 2-core machine (collect, solve, validate's real steps).
-DEFAULT_EXAMPLES = 20
+#: Examples of the default test: about 0.8 s each on a quiet 2-core machine (collect, solve, validate's real steps).
+DEFAULT_EXAMPLES = 40
 SLOW_EXAMPLES = 500
 
 _COMMON = dict(
