@@ -54,6 +54,7 @@ _LAZY = {
     "sacplan.plan": ("Plan", "ModuleDecision", "load_plan"),
     "sacplan.apply": ("apply_plan", "remove_plan"),
     "sacplan.enable": ("fit_to_budget", "show_plan"),
+    "sacplan.pipeline": ("collect_pipeline", "solve_pipeline", "PipelinePlan", "validate_pipeline"),
 }
 
 
@@ -61,6 +62,7 @@ __all__ = [
     "BudgetError", "Bytes", "CollectionError", "ConfigError", "DeviceSpec", "InfeasibleBudgetError", "MemSnapshot",
     "MemoryEvent", "ModelStats", "ModuleStats", "ModuleTree", "OpStat", "PlanError", "PlanMismatchError",
     "SacplanError", "SolverError", "SolverOptions", "TradeOff", "UnknownDeviceError", "UnsupportedModelError", "__version__",
-    "apply_plan", "baseline_peak", "certify", "collect", "fit_to_budget", "get_device", "list_devices", "load_plan", "min_feasible_budget",
-    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "show_plan", "solve", "sweep", "validate",
+    "PipelinePlan", "apply_plan", "baseline_peak", "certify", "collect", "collect_pipeline", "fit_to_budget", "get_device", "list_devices", "load_plan", "min_feasible_budget",
+    "parse_budget", "recompute_lower_bound", "remove_plan", "sac_milp", "show_plan", "solve", "solve_pipeline", "sweep", "validate",
+    "validate_pipeline",
 ]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sacplan.cli_models import FACTORY_CONTRACT, ModelSpec, is_file_model, load_model_spec
+from sacplan.cli_mesh import add_mesh_args, check_mesh_args, collect_on_mesh, mesh_requested, mp_policy_of
 from sacplan.cli_models import UsageError as _UsageError
 from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
 from sacplan.units import GiB, fmt_bytes
@@ -130,7 +131,10 @@ def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str
             seq = spec.preset.default_seq if seq is None else seq
         elif seq is not None:
             raise _UsageError(f"--seq does not apply to {spec.preset.name} (an image model); use --batch")
+    check_mesh_args(args, spec)
     dtype = args.dtype if args.dtype is not None else (DEFAULT_DTYPE if spec.preset is not None else None)
+    if getattr(args, "mixed_precision", None):
+        dtype = args.mixed_precision  # the compute dtype; the master parameters are fp32
     device = get_device(args.device)
     # Parsed here only to fail fast; the *string* goes to solve(), because an int below 1 MiB would be
     # re-read there as GiB (see sacplan.units.parse_budget).
@@ -145,6 +149,8 @@ def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str
 def _collect_tree(args: argparse.Namespace, spec: ModelSpec, device: Any, knobs: dict[str, Any]) -> Any:
     from sacplan.tree import ModuleTree
 
+    if mesh_requested(args):
+        return ModuleTree(collect_on_mesh(args, spec, device, knobs, _progress(args)))
     stats = spec.collect(device, dtype=knobs["dtype"], batch=knobs["batch"], seq=knobs["seq"], progress=_progress(args))
     ws = getattr(args, "world_size", None)
     if ws is not None and ws > 1:
@@ -153,7 +159,8 @@ def _collect_tree(args: argparse.Namespace, spec: ModelSpec, device: Any, knobs:
         units: Any = "each block"
         if getattr(args, "fsdp_units", None):
             units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()]
-        stats = shard_stats(stats, ws, fsdp_units=units, mode="ddp" if getattr(args, "ddp", False) else "fsdp")
+        stats = shard_stats(stats, ws, fsdp_units=units, mode="ddp" if getattr(args, "ddp", False) else "fsdp",
+                            mp_policy=mp_policy_of(args))
     return ModuleTree(stats)
 
 
@@ -164,6 +171,10 @@ def _collective_lines(tree: Any) -> list[str]:
         return []
     if d.get("mode") == "ddp":
         return [f"DDP x{tree.stats.world_size}: gradient buckets {d.get('gradient_bucket_bytes', 0) / 2**30:.3f} GiB per rank"]
+    if d.get("mode") == "mesh":
+        dims = " x ".join(f"{k} {v}" for k, v in d["mesh"].items())
+        return [f"mesh {dims}: rank {d['rank']} of {d['world_size']} (the largest shards), observed on PyTorch's fake "
+                "process group; the same plan for every rank"]
     return [
         f"FSDP2 x{tree.stats.world_size}: sharded state {d.get('sharded_state_bytes', 0) / 2**30:.3f} GiB, "
         f"all-gather + reduce-scatter buffers at the peak {d.get('collective_peak_bytes', 0) / 2**30:.3f} GiB per rank"
@@ -184,10 +195,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sacplan.solver import solve
 
     spec, device, budget, knobs = resolve_job(args)
+    if getattr(args, "pp", None) is not None:  # one plan per pipeline stage
+        from sacplan.pipeline.cli import plan_pipeline
+
+        return plan_pipeline(args, spec, device, budget, knobs)
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
-    plan = solve(tree, budget, solver=args.solver, **_limit(args))
+    from sacplan.distributed import unit_modules
+
+    plan = solve(tree, budget, solver=args.solver, fsdp_units=unit_modules(tree.stats) or None, **_limit(args))
     cert = None
     if args.certify:
         from sacplan.solver import certify
@@ -245,7 +262,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: sweeping budgets", file=sys.stderr, flush=True)
-    result = sweep(tree, budgets, points=args.points, solver=args.solver, **_limit(args))
+    from sacplan.distributed import unit_modules
+
+    result = sweep(tree, budgets, points=args.points, solver=args.solver, fsdp_units=unit_modules(tree.stats) or None,
+                   **_limit(args))
     if args.plot:
         from sacplan.plot import plot_pareto
 
@@ -377,6 +397,7 @@ def _model_args(p: argparse.ArgumentParser, *, optional_model: bool) -> None:
     p.add_argument("--fsdp-units", default=None, metavar="FQN,FQN",
                    help="FSDP2 units (comma-separated module names; default: each repeated block + the root)")
     p.add_argument("--ddp", action="store_true", help="DDP replicas with gradient buckets instead of FSDP2")
+    add_mesh_args(p)  # --tp, --dp-shard, --mixed-precision (sacplan.cli_mesh)
     p.add_argument("--solver", choices=("auto", "cbc", "highs"), default="auto",
                    help="MILP back-end (default auto: HiGHS if highspy is installed, else CBC)")
     p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="wall-clock limit of the solve in seconds (default: plan 60, sweep 60 in all, --certify 300); "
@@ -401,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--certify", action="store_true",
                    help="also solve over every plan (every module a unit, whole save-list fronts) and print the "
                         "best possible recompute and a lower bound beside this plan's")
+    from sacplan.pipeline.cli import add_pipeline_args
+
+    add_pipeline_args(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("sweep", help="recompute time versus budget (Pareto front)", epilog=FACTORY_CONTRACT,

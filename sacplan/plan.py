@@ -334,16 +334,11 @@ class Plan:
         Returns the path written.
         """
         import datetime
-        import json
-        import os
-        import tempfile
-        from pathlib import Path
 
         import torch
 
         import sacplan
 
-        p = Path(path)
         doc = {
             "schema": "sacplan.plan-file",
             "version": PLAN_FILE_VERSION,
@@ -352,34 +347,50 @@ class Plan:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "plan": self.to_dict(),
         }
-        text = json.dumps(doc, indent=2, allow_nan=False)
-        if p.is_dir():
-            raise ConfigError(f"cannot write plan file {str(p)!r}: it is a directory; give a file name such as plan.json")
+        return write_plan_document(path, doc)
+
+
+def write_plan_document(path: Any, doc: Mapping[str, Any]) -> Any:
+    """Write ``doc`` as indented JSON at ``path``, atomically (temp file in the same folder + rename): the plan
+    files' writer (:meth:`Plan.save`, :meth:`sacplan.pipeline.plans.PipelinePlan.save`). Returns the path.
+
+    Raises:
+        ConfigError: the path is a folder or cannot be written (the reason named).
+    """
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path)
+    text = json.dumps(doc, indent=2, allow_nan=False)
+    if p.is_dir():
+        raise ConfigError(f"cannot write plan file {str(p)!r}: it is a directory; give a file name such as plan.json")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
+    except OSError as e:  # read-only folder, a regular file in the path, ...
+        raise ConfigError(
+            f"cannot write plan file {str(p)!r}: {e.strerror or e} (folder {str(p.parent)!r}); choose a writable folder"
+        ) from None
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would (mkstemp makes 0600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException as e:
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=str(p.parent))
-        except OSError as e:  # read-only folder, a regular file in the path, ...
-            raise ConfigError(
-                f"cannot write plan file {str(p)!r}: {e.strerror or e} (folder {str(p.parent)!r}); choose a writable folder"
-            ) from None
-        umask = os.umask(0)
-        os.umask(umask)
-        try:
-            os.fchmod(fd, 0o666 & ~umask)  # as open() would (mkstemp makes 0600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(e, OSError):  # disk full, destination not replaceable...
-                raise ConfigError(f"cannot write plan file {str(p)!r}: {e.strerror or e}") from None
-            raise
-        return p
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):  # disk full, destination not replaceable...
+            raise ConfigError(f"cannot write plan file {str(p)!r}: {e.strerror or e}") from None
+        raise
+    return p
 
 
 def _jsonable(x: Any) -> Any:
@@ -415,7 +426,7 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"bare {name} is not JSON (sacplan writes 'inf'/'nan' as strings)")
 
 
-def _known_op(name: str) -> bool:
+def known_op(name: str) -> bool:
     """Whether ``name`` (e.g. ``"aten.mm.default"``) is an op overload this torch knows."""
     import torch
 
@@ -429,6 +440,10 @@ def _known_op(name: str) -> bool:
 
 def load_plan(path: Any, model: Any = None) -> Plan:
     """Read a plan file written by :meth:`Plan.save`, validating its schema.
+
+    A pipeline plan file (:meth:`sacplan.pipeline.plans.PipelinePlan.save`) gives its
+    :class:`~sacplan.pipeline.plans.PipelinePlan` (``model`` is then not checked: ``apply_plan(stage_module, plan,
+    stage=i)`` checks each stage).
 
     Args:
         path: the JSON file.
@@ -469,6 +484,10 @@ def load_plan(path: Any, model: Any = None) -> Plan:
             f"{str(p)!r} holds `sacplan plan --json` output, not a plan file: write plan files with "
             "`sacplan plan ... -o plan.json` (or Plan.save)"
         )
+    if isinstance(doc, dict) and doc.get("schema") == "sacplan.pipeline-plan-file":  # every stage of a pipeline
+        from sacplan.pipeline.plans import pipeline_document
+
+        return pipeline_document(doc, f"pipeline plan file {str(p)!r}")  # type: ignore[return-value]
     if not isinstance(doc, dict) or doc.get("schema") != "sacplan.plan-file":
         raise PlanError(f"{str(p)!r} is not a sacplan plan file (missing schema 'sacplan.plan-file')")
     version = doc.get("version")
@@ -486,7 +505,7 @@ def load_plan(path: Any, model: Any = None) -> Plan:
         if name not in body:
             raise PlanError(f"plan file {str(p)!r}: field 'plan.{name}' is missing")
     try:
-        check_plan_body(body, _known_op, PLAN_SCHEMA_VERSION)
+        check_plan_body(body, known_op, PLAN_SCHEMA_VERSION)
     except PlanError as e:
         raise PlanError(f"plan file {str(p)!r}: {e}") from None
     try:

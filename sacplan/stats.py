@@ -428,7 +428,12 @@ class ModelStats:
                 continue
             if e.bw_started < started or e.bw_done < done:  # not monotone (never seen): start over
                 inside, started, done = set(), 0, 0
-            inside.update(p for p in range(started, min(e.bw_started, len(ends))) if ends[p] >= e.bw_done)
+            for p in range(started, min(e.bw_started, len(ends))):
+                # a call whose backward begins ends any earlier call of the same module that never reported its end
+                # (a module whose inputs need no grad: the first pipeline stage's blocks, once per microbatch)
+                inside.difference_update([q for q in inside if self.bw_pre_order[q] == self.bw_pre_order[p]])
+                if ends[p] >= e.bw_done:
+                    inside.add(p)
             started = max(started, e.bw_started)
             if e.bw_done > done:
                 inside = {p for p in inside if ends[p] >= e.bw_done}

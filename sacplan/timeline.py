@@ -11,12 +11,21 @@ For event ``e`` (a :class:`~sacplan.stats.MemoryEvent`) with recorded peak ``pea
 * ``base_e = peak_e - S_e·(1 - w0/world_size)`` (FSDP's per-rank state scales with ``1/world_size``);
 * forward:   ``base_e - F[fw_done_e]``          (what calls whose forward finished freed);
 * backward and rc: ``base_e - (D - B[bw_started_e])``  (what calls not yet re-materialised freed);
+* interleaved (a forward event after some backward began, or a backward/rc event before every forward
+  finished, as in a pipeline stage's schedule or gradient accumulation): ``base_e - (F[fw_done_e] - B[bw_started_e])``
+  (what the calls whose forward finished and whose backward has not begun freed; :attr:`Timeline.mixed`);
 * other:     ``base_e``;
 
 plus whatever a choice adds at an event (``added``): the overhead of checkpointed calls inside their backward
 there (:meth:`Timeline.held`) and, at a checkpointed call's rc event, its recompute transient and surge. ``F``
 and ``B`` are running sums of the bytes each module call frees (discard minus what checkpointing keeps for it)
 along ``fw_post_order`` and ``bw_pre_order``; ``D`` is ``B``'s total. All sizes are bytes.
+
+A step that runs a module's forward and backward several times in an interleaved order (pipeline parallelism:
+:mod:`sacplan.pipeline` collects a stage over its schedule's microbatches) lists every call in both orders, so a
+decision frees bytes at every call of a checkpointed module, and the in-flight multiplicity is exact: at an
+interleaved event exactly the calls of the microbatches in flight count. A single forward-then-backward step has
+no interleaved events (``F[n] = D``, so the forms agree where both apply).
 """
 
 from __future__ import annotations
@@ -67,6 +76,9 @@ class Timeline:
         fw_entries, bw_entries: ``(fqn, call)`` along ``fw_post_order`` / ``bw_pre_order``.
         active_event, active_pos: pairs (event, position in ``bw_pre_order``) of the calls inside their backward
             at that event (:meth:`~sacplan.stats.ModelStats.backward_active`).
+        fw_pos, bw_pos: per event, ``fw_done`` and ``bw_started`` clamped to the orders' lengths (0 at other events).
+        mixed: per event, True where forwards and backwards interleave (module docstring): a forward event with
+            ``bw_pos > 0`` or a backward/rc event with ``fw_pos`` short of ``fw_post_order``'s length.
     """
 
     world_size: int
@@ -80,6 +92,9 @@ class Timeline:
     bw_entries: tuple[tuple[str, int], ...]
     active_event: np.ndarray
     active_pos: np.ndarray
+    fw_pos: np.ndarray
+    bw_pos: np.ndarray
+    mixed: np.ndarray
 
     @classmethod
     def of(cls, stats: ModelStats, world_size: int | None = None) -> "Timeline":
@@ -104,12 +119,17 @@ class Timeline:
         base = np.empty(n, dtype=float)
         pos = np.zeros(n, dtype=np.int64)
         extra = np.zeros(n, dtype=float)
+        fpos = np.zeros(n, dtype=np.int64)
+        bpos = np.zeros(n, dtype=np.int64)
         for i, e in enumerate(events):
             ph = PHASE_CODES.get(e.phase)  # type: ignore[call-overload]
             if ph is None:
                 raise ConfigError(f"memory event {i} has unknown phase {e.phase!r} (expected fw, bw, rc or other)")
             phase[i] = ph
             base[i] = float(e.peak_bytes) - float(e.state_bytes) * (1.0 - keep)
+            if ph != OTHER:
+                fpos[i] = min(max(int(e.fw_done), 0), nf)
+                bpos[i] = min(max(int(e.bw_started), 0), nb)
             if ph == FW:
                 pos[i] = min(max(int(e.fw_done), 0), nf)
             elif ph in (BW, RC):
@@ -129,6 +149,9 @@ class Timeline:
             bw_entries=call_entries(stats.bw_pre_order),
             active_event=np.asarray([i for i, _ in pairs], dtype=np.int64),
             active_pos=np.asarray([p for _, p in pairs], dtype=np.int64),
+            fw_pos=fpos,
+            bw_pos=bpos,
+            mixed=((phase == FW) & (bpos > 0)) | (((phase == BW) | (phase == RC)) & (fpos < nf)),
         )
 
     @property
@@ -148,13 +171,16 @@ class Timeline:
 
     def freed(self, fw_freed: np.ndarray, bw_freed: np.ndarray) -> np.ndarray:
         """Per event, the bytes the calls' frees take off it: ``F[fw_done]`` at forward events, ``G[bw_started]``
-        at backward and rc events, 0 at others (:meth:`running`; 2-D inputs give events × columns)."""
+        at backward and rc events, ``F[fw_done] + G[bw_started] - G[0]`` at interleaved ones (:attr:`mixed`), 0 at
+        others (:meth:`running`; 2-D inputs give events × columns)."""
         F, G = self.running(fw_freed, bw_freed)
         out = np.zeros((self.num_events,) + F.shape[1:])
-        fw = self.phase == FW
+        fw = (self.phase == FW) & ~self.mixed
         out[fw] = F[self.pos[fw]]
-        bw = (self.phase == BW) | (self.phase == RC)
+        bw = ((self.phase == BW) | (self.phase == RC)) & ~self.mixed
         out[bw] = G[self.pos[bw]]
+        mx = self.mixed
+        out[mx] = F[self.fw_pos[mx]] + G[self.bw_pos[mx]] - G[0]
         return out
 
     def peaks(self, fw_freed: np.ndarray, bw_freed: np.ndarray, added: np.ndarray | None = None) -> np.ndarray:

@@ -73,6 +73,68 @@ def test_no_events_is_the_whole_step_peak_which_nothing_changes():
     assert SacProblem(bare).peak([1, 1], [1, 1]) == 10 * GiB
 
 
+def _pipelined_stage():
+    """A first pipeline stage of two under 1F1B with 3 microbatches (F0 F1 B0 F2 B1 B2), written by hand.
+
+    One block ``b`` (4 GiB per call, extra 1 GiB at its rc events) under the root, every call listed:
+    fw_post_order = (b, "", b, "", b, ""), bw_pre_order = ("", b, "", b, "", b). Events (base GiB):
+      0 fw after F0        fw_done=2 bw_started=0  10
+      1 fw after F1        fw_done=4 bw_started=0  18
+      2 rc b in B0         fw_done=4 bw_started=2  18   interleaved: mb1 in flight, mb0 re-materialised
+      3 fw after F2        fw_done=6 bw_started=2  18   interleaved: mb1 and mb2 in flight
+      4 rc b in B1         fw_done=6 bw_started=4  14
+      5 bw b in B2         fw_done=6 bw_started=6   6
+      6 other                                       2
+    """
+    from sacplan.stats import MemoryEvent, Phase, TradeOff
+    from sacplan.testing.synthetic import manual_stats
+
+    tr = TradeOff(max_discard_bytes=4 * GiB, full_recompute_ms=10.0, points=((0.0, 0.2), (1.0, 1.0)),
+                  slopes=(0.8,), intercepts=(0.2,))
+    ev = [
+        MemoryEvent(Phase.FW, "", 0, 2, 0, 10 * GiB, 0),
+        MemoryEvent(Phase.FW, "", 1, 4, 0, 18 * GiB, 0),
+        MemoryEvent(Phase.RC, "b", 0, 4, 2, 18 * GiB, 0, 1 * GiB),
+        MemoryEvent(Phase.FW, "", 2, 6, 2, 18 * GiB, 0),
+        MemoryEvent(Phase.RC, "b", 1, 6, 4, 14 * GiB, 0, 1 * GiB),
+        MemoryEvent(Phase.BW, "b", 2, 6, 6, 6 * GiB, 0),
+        MemoryEvent(Phase.OTHER, "", 0, 6, 6, 2 * GiB, 0),
+    ]
+    st = manual_stats([("", None, (0, 0, 0), None), ("b", "", (4 * GiB,) * 3, tr)],
+                      ("b", "", "b", "", "b", ""), ("", "b", "", "b", "", "b"), ev)
+    return ModuleTree(st)
+
+
+def test_interleaved_events_count_the_microbatches_in_flight_by_hand():
+    """b fully discarded (4 GiB per call): F = (0,4,4,8,8,12,12), B = (0,0,4,4,8,8,12). Forward-only and
+    backward-only events read F or G as before; the interleaved ones F[fw_done] - B[bw_started]: event 2 frees mb1's
+    4 GiB (not G[2] = 8: mb2 has not run), event 3 mb1's and mb2's 8 GiB (not F[6] = 12: mb0 is back)."""
+    tree = _pipelined_stage()
+    tl = Timeline.of(tree.stats)
+    assert tl.mixed.tolist() == [False, False, True, True, False, False, False]
+    fw = np.array([4.0, 0, 4, 0, 4, 0]) * GiB
+    bw = np.array([0.0, 4, 0, 4, 0, 4]) * GiB
+    assert (tl.freed(fw, bw) / GiB).tolist() == [4, 8, 4, 8, 4, 0, 0]
+    # b checkpointed (its rc events add the 1 GiB transient): 6, 10, 15, 10, 11, 6, 2
+    assert event_peaks(tree, {"b": [4 * GiB] * 3}) == [g * GiB for g in (6, 10, 15, 10, 11, 6, 2)]
+
+
+def test_solver_rows_hold_the_interleaved_events():
+    """The MILP's rows for interleaved events (F_kf + G_kb - G_0): the smallest peak is event 2's 18 - 4 + 1 = 15
+    GiB at full discard (reading it as a backward-only event would give 11), and a plan for 16 GiB keeps every
+    event, interleaved ones included, within it as the timeline evaluates it."""
+    from sacplan.solver import min_feasible_budget, solve
+
+    tree = _pipelined_stage()
+    assert min_feasible_budget(tree) == pytest.approx(15 * GiB, rel=1e-6)
+    plan = solve(tree, 16 * GiB)
+    assert [d.fqn for d in plan.decisions] == ["b"]
+    r = plan.decisions[0].discard_ratio
+    assert r == pytest.approx(0.75, abs=1e-3)  # event 2: 18 - 4r + 1 <= 16
+    assert max(event_peaks(tree, {"b": [int(r * 4 * GiB)] * 3})) <= 16 * GiB + 1
+    assert plan.predicted_peak_bytes <= 16 * GiB + 1
+
+
 @pytest.mark.parametrize("ws", [0, -1, 1.5, True, "2"])
 def test_world_size_must_be_a_positive_integer(ws):
     with pytest.raises(ConfigError, match="world_size must be an integer >= 1"):

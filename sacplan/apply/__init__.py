@@ -248,8 +248,12 @@ def applied_plan(model: nn.Module) -> Any:
     return held.plan if held is not None else None
 
 
-def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -> nn.Module:
+def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True, stage: int | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` in place and return it.
+
+    A pipeline plan (:class:`~sacplan.pipeline.plans.PipelinePlan`: every stage in one file) needs ``stage``, the
+    index of the pipeline stage ``model`` is; its part of the plan is applied, after checking ``model`` is the
+    module that stage was planned for.
 
     Idempotent (applying the same plan twice changes nothing; applying another plan replaces the first),
     reversible with :func:`remove_plan`, and usable before or after moving the model to its device,
@@ -281,6 +285,13 @@ def apply_plan(model: nn.Module, plan: Any, *, check_fingerprint: bool = True) -
             one warning instead (as ``gradient_checkpointing_enable`` does) and back on by :func:`remove_plan`.
     """
     check_model(model, "apply_plan")
+    if hasattr(plan, "for_stage"):  # a pipeline plan: the stage's part, checked against the module
+        if stage is None:
+            raise ConfigError("this is a pipeline plan (every stage in one): say which stage this module is, "
+                              "apply_plan(stage_module, plan, stage=i)")
+        plan = plan.for_stage(stage, _inner(model) if check_fingerprint else None)
+    elif stage is not None:
+        raise ConfigError(f"stage={stage!r} selects a stage of a pipeline plan; this is a single-model plan")
     if not isinstance(plan, Plan):
         how = "load it first: apply_plan(model, sacplan.load_plan(path, model))" if isinstance(plan, (str, os.PathLike)) else (
             "build it with Plan.from_dict(d), or load the file with sacplan.load_plan" if isinstance(plan, dict) else

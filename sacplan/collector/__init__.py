@@ -53,6 +53,10 @@ def collect(
     world_size: int = 1,
     fsdp_units: Any = "each block",
     ddp: bool = False,
+    mp_policy: Any = None,
+    mesh: dict[str, int] | None = None,
+    parallelize: Callable[[torch.nn.Module, Any], Any] | None = None,
+    rank: int | None = None,
 ) -> ModelStats:
     """Run one training step of ``model`` on fake tensors and return its statistics for ``device``.
 
@@ -82,14 +86,67 @@ def collect(
         fsdp_units: FSDP2 units when ``world_size > 1``: ``"each block"`` (repeated blocks + root), a list of
             fqns, or a predicate ``(fqn, ModuleStats) -> bool``.
         ddp: plan for DDP replicas (gradient buckets) instead of FSDP2.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the simulated path (``world_size > 1``): the step is
+            collected in its ``param_dtype`` (unless ``dtype`` says otherwise) and the shards are fp32 masters
+            (see :func:`sacplan.distributed.shard_stats`). The cast reaches buffers too, which FSDP2 leaves in
+            their dtype: for exact figures build the model with bf16 parameters and buffers in their own dtype
+            (``preset.build(dtype)`` keeps Llama's rotary table fp32), or use ``mesh``, where FSDP2 itself runs
+            (put the policy in your ``parallelize``).
+        mesh: ``{dimension name: size}`` of a ``DeviceMesh`` (e.g. ``{"dp_shard": 2, "tp": 2}``): the step runs
+            on PyTorch's fake process group as one rank of ``prod(sizes)`` ranks, the model parallelized by
+            ``parallelize`` (see :mod:`sacplan.collector.mesh`). ``inputs`` is that rank's batch. The stats are
+            that rank's (``world_size`` = the mesh's ranks; solve them as they are).
+        parallelize: ``fn(model, device_mesh)`` (your own, e.g. torchtitan's ``parallelize_llama`` or
+            :func:`sacplan.models.llama_parallel.parallelize_llama`), run on the ``meta``-built model before it
+            is materialised; it may return the model or None.
+        rank: which rank of the mesh to collect (default 0: the largest shards where sizes do not divide).
 
     Returns:
         :class:`ModelStats` of the second step (optimizer state exists), sizes per the target allocator.
 
     Raises:
-        UnknownDeviceError, ConfigError: bad arguments.
+        UnknownDeviceError, ConfigError: bad arguments (a real process group already initialised with ``mesh``).
         CollectionError: the fake step failed; the message names the module that was running.
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    knobs = dict(device=device, optimizer=optimizer, loss_fn=loss_fn, train_step=train_step, dtype=dtype, batch=batch,
+                 seq=seq, runtime=runtime, model_name=model_name, max_lines=max_lines, progress=progress)
+    if mesh is None:
+        if parallelize is not None or rank is not None:
+            raise ConfigError("parallelize= and rank= need mesh= (e.g. mesh={'dp_shard': 2, 'tp': 2})")
+        if mp_policy is not None and dtype is None:
+            knobs["dtype"] = getattr(mp_policy, "param_dtype", None)
+        stats, fmodel = _collect(model, inputs, None, None, **knobs)
+    else:
+        from sacplan.collector.mesh import check_mesh, fake_mesh, mesh_info
+
+        if world_size != 1 or ddp or mp_policy is not None:
+            raise ConfigError("mesh= observes the parallel layout itself: drop world_size=, ddp= and mp_policy= "
+                              "(put fully_shard(..., mp_policy=...) in your parallelize function)")
+        if parallelize is None or not callable(parallelize):
+            raise ConfigError("mesh= needs parallelize=fn, fn(model, device_mesh) applying your parallelism")
+        dims, rank = check_mesh(mesh, rank)
+        with fake_mesh(dims, rank) as device_mesh:
+            stats, fmodel = _collect(model, inputs, device_mesh, parallelize, **knobs)
+            info = mesh_info(dims, rank, fmodel)
+        return dataclasses.replace(stats, world_size=info["world_size"], meta={**stats.meta, "distributed": info})
+    if world_size > 1:
+        from sacplan.distributed import shard_stats
+
+        stats = shard_stats(stats, world_size, fsdp_units=fsdp_units, mode="ddp" if ddp else "fsdp",
+                            mp_policy=mp_policy, master_dtype=torch.float32 if mp_policy is not None else None,
+                            model=fmodel if mp_policy is not None else None)
+    return stats
+
+
+def _collect(
+    model: ModelArg, inputs: Any, device_mesh: Any, parallelize: Any, *, device: str | DeviceSpec, optimizer: Any,
+    loss_fn: Any, train_step: Any, dtype: Any, batch: int | None, seq: int | None, runtime: str,
+    model_name: str | None, max_lines: int, progress: Callable[[str], None] | None,
+) -> tuple[ModelStats, torch.nn.Module]:
+    """The fake step of :func:`collect` (parallelized by ``parallelize`` on ``device_mesh`` when given) and the
+    fake model it ran."""
     t_start = time.perf_counter()
     say = progress or (lambda s: None)
     spec = get_device(device)
@@ -107,8 +164,15 @@ def collect(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     say(f"building {model_name or 'model'} on fake tensors")
-    fmodel = build_fake_model(model, preset, fake_mode, dtype)
-    model_name = model_name or type(fmodel).__name__
+    prepare = None
+    if device_mesh is not None:
+        from sacplan.collector.mesh import CollectiveFakeMode
+
+        fake_mode = CollectiveFakeMode(allow_non_fake_inputs=True)
+        prepare = lambda m: parallelize(m, device_mesh) or m  # noqa: E731
+    fmodel = build_fake_model(model, preset, fake_mode, dtype, prepare=prepare)
+    # FSDP2 swaps the class for a generated "FSDP<name>" subclass: report the user's class
+    model_name = model_name or next(c.__name__ for c in type(fmodel).__mro__ if not c.__name__.startswith("FSDP"))
     trainable = [p for p in fmodel.parameters() if p.requires_grad]
     if not trainable and opt_factory is not None:
         raise ConfigError(
@@ -135,11 +199,4 @@ def collect(
         runtime_mode=runtime,
         host="cpu-fake",
     )
-    stats = dataclasses.replace(stats, meta=meta)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if world_size > 1:
-        from sacplan.distributed import shard_stats
-
-        stats = shard_stats(stats, world_size, fsdp_units=fsdp_units, mode="ddp" if ddp else "fsdp")
-    return stats
+    return dataclasses.replace(stats, meta=meta), fmodel

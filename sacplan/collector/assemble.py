@@ -14,6 +14,7 @@ from torch import nn
 from sacplan.collector.kernels import host_state_tensors
 from sacplan.collector.mutations import StorageWrites
 from sacplan.collector.records import GRAD, OPT, PARAM, CallRecord
+from sacplan.collector.storage import tensor_bytes_of
 from sacplan.collector.tracker import StepRecorder
 from sacplan.devices import DeviceSpec
 from sacplan.errors import UnsupportedModelError
@@ -82,7 +83,7 @@ def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer | None, spec: Dev
         host = {id(t) for t in host_state_tensors(opt)} if spec.attention == "flash" else set()
         for p, state in opt.state.items():
             opt_bytes[id(p)] = sum(
-                spec.round_alloc(v.untyped_storage().nbytes())
+                tensor_bytes_of(v, spec)  # a DTensor: its local shard
                 for v in state.values()
                 if isinstance(v, torch.Tensor) and id(v) not in host
             )
@@ -90,12 +91,12 @@ def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer | None, spec: Dev
     for name, mod in model.named_modules():
         pb = gb = ob = 0
         for p in mod.parameters():
-            b = spec.round_alloc(p.untyped_storage().nbytes())
+            b = tensor_bytes_of(p, spec)
             pb += b
             if p.requires_grad:
                 gb += b
             ob += opt_bytes.get(id(p), 0)
-        bb = sum(spec.round_alloc(b.untyped_storage().nbytes()) for b in mod.buffers())
+        bb = sum(tensor_bytes_of(b, spec) for b in mod.buffers())
         out[name] = (pb, gb, ob, bb)
     return out
 
@@ -105,7 +106,9 @@ def _merge_events(recorder: StepRecorder) -> tuple[MemoryEvent, ...]:
     events: list[MemoryEvent] = []
     for s in recorder.segments:
         state = s.cats[PARAM] + s.cats[GRAD] + s.cats[OPT]
-        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started if s.phase != Phase.FW else 0, s.peak, state, s.extra,
+        # a forward after some backward began (pipeline schedules, gradient accumulation) keeps its real position:
+        # the timeline counts such events as interleaved (sacplan.timeline)
+        ev = MemoryEvent(s.phase, s.module, s.call, s.fw_done, s.bw_started, s.peak, state, s.extra,
                          bw_done=s.bw_done if s.phase != Phase.FW else 0)
         if events and s.phase != Phase.RC:
             last = events[-1]

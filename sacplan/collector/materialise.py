@@ -25,9 +25,16 @@ from sacplan.errors import CollectionError, ConfigError, UnsupportedModelError
 ModelArg = nn.Module | Callable[[], nn.Module] | str
 
 
-def build_fake_model(model: ModelArg, preset: Any, fake_mode: FakeTensorMode, dtype: torch.dtype | None) -> nn.Module:
+def build_fake_model(
+    model: ModelArg,
+    preset: Any,
+    fake_mode: FakeTensorMode,
+    dtype: torch.dtype | None,
+    prepare: Callable[[nn.Module], nn.Module] | None = None,
+) -> nn.Module:
     """``model`` (or the preset ``preset``, when not None) as a fake-tensor module in training mode, in ``dtype``
-    when given (see the module docstring).
+    when given (see the module docstring). ``prepare(m)`` (a parallelize function) runs on the ``meta``-built
+    model, outside fake mode, before it is materialised; it returns the model to use.
 
     Raises:
         ConfigError: ``model`` is not a module, factory or preset name, or its factory returned something else.
@@ -67,6 +74,8 @@ def build_fake_model(model: ModelArg, preset: Any, fake_mode: FakeTensorMode, dt
         m = _meta_copy(model)  # type: ignore[arg-type]
     if dtype is not None and preset is None and any(t.is_meta for t in _tensors_of(m)):
         m = m.to(dtype)  # cast on meta: free, and avoids swapping fake tensors later
+    if prepare is not None:
+        m = prepare(m)
     with fake_mode:
         if any(t.is_meta for t in _tensors_of(m)):
             m = _to_empty_keep_ties(m)

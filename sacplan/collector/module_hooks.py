@@ -53,7 +53,18 @@ class ModuleCallHooks(StorageAccounting):
         self.failed_in: tuple[str, BaseException] | None = None
 
     def install_module_hooks(self, undo: contextlib.ExitStack) -> None:
-        """Register the global forward pre/post hooks; ``undo`` removes them."""
+        """Register the global forward pre/post hooks; ``undo`` removes them.
+
+        A module with forward pre-hooks of its own (tensor parallel input layouts, FSDP2's all-gather, spectral
+        norm...) starts its call in a pre-hook appended after them instead: ``apply_plan`` replaces only
+        ``forward``, so what those hooks compute is the checkpointed forward's *input* (kept, never recomputed)
+        and belongs to the caller, as its forward hooks' work already does (global post-hooks run first).
+        """
+        self._deferred: set[nn.Module] = set()
+        for mod in self.fqn_of:
+            if mod._forward_pre_hooks:
+                self._deferred.add(mod)
+                undo.callback(mod.register_forward_pre_hook(self._fw_pre_deferred).remove)
         undo.callback(_remove_global_hook, register_module_forward_pre_hook(self._fw_pre))
         post = register_module_forward_hook(self._fw_post, with_kwargs=True, always_call=True)
         undo.callback(_remove_global_hook, post)
@@ -85,6 +96,14 @@ class ModuleCallHooks(StorageAccounting):
 
     # ------------------------------------------------------------------ hooks ---------------------
     def _fw_pre(self, mod: nn.Module, inputs: Any) -> None:
+        if mod in self._deferred:
+            return  # starts in _fw_pre_deferred, after the module's own pre-hooks
+        self._start_call(mod, inputs)
+
+    def _fw_pre_deferred(self, mod: nn.Module, inputs: Any) -> None:
+        self._start_call(mod, inputs)
+
+    def _start_call(self, mod: nn.Module, inputs: Any) -> None:
         fqn = self.fqn_of.get(mod)
         if fqn is None or torch._C._current_graph_task_id() != -1:
             return  # a module of another model, or a forward re-run inside backward

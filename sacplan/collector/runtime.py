@@ -15,7 +15,9 @@ import math
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from sacplan.devices import DeviceSpec
@@ -48,11 +50,35 @@ def flop_mapping() -> dict[Any, Callable[..., int]]:
     return dict(EXTRA_FLOP_FORMULAS)
 
 
+_PLAIN = (torch.Tensor, FakeTensor, torch.nn.Parameter)
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's (a traceable wrapper subclass holding one tensor) local shard; anything else unchanged."""
+    if isinstance(t, torch.Tensor) and type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        if len(attrs) == 1:
+            return _local(getattr(t, attrs[0]))
+    return t
+
+
+def local_shards(x: Any) -> Any:
+    """``x`` with every DTensor replaced by its local shard (see :func:`_local`).
+
+    A dispatch mode sees a DTensor op at the global shapes; one rank computes and moves only its shards.
+    Shapes of ops whose sharding needs a redistribution first are those before it (an approximation).
+    """
+    return tree_map(_local, x)
+
+
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """FLOPs of one op call, as ``FlopCounterMode(custom_mapping=flop_mapping())`` counts them."""
+    """FLOPs of one op call, as ``FlopCounterMode(custom_mapping=flop_mapping())`` counts them (on one rank's
+    local shards for DTensor arguments)."""
     packet = func._overloadpacket
     try:
         fn = flop_registry.get(packet)
+        if fn is not None or packet in EXTRA_FLOP_FORMULAS:
+            args, kwargs, out = local_shards((args, kwargs, out))
         if fn is not None:
             return int(fn(*args, **kwargs, out_val=out))
         raw = EXTRA_FLOP_FORMULAS.get(packet)
@@ -66,11 +92,12 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
 def op_io_bytes(args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes an op reads (tensor arguments) plus writes (tensor outputs)."""
+    """Bytes an op reads (tensor arguments) plus writes (tensor outputs), local shards for DTensors."""
     flat_in, _ = tree_flatten((args, kwargs))
     flat_out, _ = tree_flatten(out)
     total = 0

@@ -22,6 +22,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from sacplan.collector.records import ACT, OTHER, CallRecord, Segment
@@ -30,11 +31,18 @@ from sacplan.stats import CATEGORIES, Phase
 
 
 def storages_of(x: Any) -> list[torch.UntypedStorage]:
-    """Untyped storages of every tensor in a pytree (sparse/nested tensors give none)."""
+    """Untyped storages of every tensor in a pytree (sparse/nested tensors give none).
+
+    A traceable wrapper subclass (a DTensor: one rank's shard behind the global shape) has no memory of its
+    own: its inner tensors' storages are returned (a DTensor's local shard), not a storage of the global size.
+    """
     flat, _ = tree_flatten(x)
     out = []
     for t in flat:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            attrs, _ctx = t.__tensor_flatten__()
+            out += storages_of([getattr(t, a) for a in attrs])
+        elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
             try:
                 out.append(t.untyped_storage())
             except (RuntimeError, NotImplementedError):

@@ -25,7 +25,8 @@ budget; minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recom
 * running sums as columns, only where a constraint needs them: ``F_{k'} = F_{k} + Σ_{entries k..k'} A·r/GiB``
   and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
   ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
-  ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``.
+  ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``; an interleaved event (a pipeline stage's schedule:
+  :attr:`~sacplan.timeline.Timeline.mixed`) the row ``F_kf + G_kb - G_0 - added ≥ (base_e - budget)/GiB``.
 
 * ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
   branching; see below).
@@ -93,8 +94,10 @@ class MilpIndex:
 def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, MilpIndex, bool]:
     """The budget MILP (minimise recompute ms). Returns (model, index, trivially_infeasible)."""
     fw, bw, rc, other, pruned = _select_events(problem, budget)
+    mixed = _select_mixed(problem, budget)
     model = MilpModel(name="sacplan_sac")
-    idx = MilpIndex(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
+    idx = MilpIndex(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc) + len(mixed))
+    idx.pruned_events -= len(mixed)
     _base_columns(problem, model, idx, with_cost=True)
     infeasible = other > 0 or any(kc == 0 and nd > 0 for kc, nd in fw) or any(
         kc == len(problem.bw_slot) and nd > 0 for kc, nd in bw
@@ -103,29 +106,37 @@ def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, M
         problem,
         model,
         idx,
-        [kc for kc, _ in fw],
-        [kc for kc, _ in bw] + [kc for kc, *_ in rc],
+        [kc for kc, _ in fw] + [kf for kf, *_ in mixed],
+        [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []),
         {kc: nd / GiB for kc, nd in fw},
         {kc: nd / GiB for kc, nd in bw},
     )
     for j, (kc, terms, nd, ss) in enumerate(rc):
         ind, val = _added(problem, idx, terms, ss)
         model.add_row(f"rc{j}_{kc}", [Gcol[kc]] + ind, [1.0] + [-v for v in val], lb=nd / GiB)
+    for j, (kf, kb, terms, nd, ss) in enumerate(mixed):
+        ind, val = _mixed_row(problem, idx, Fcol, Gcol, kf, kb, terms, ss)
+        model.add_row(f"mx{j}_{kf}_{kb}", ind, val, lb=nd / GiB)
     return model, idx, infeasible
 
 
 def build_min_peak_model(problem: SacProblem) -> tuple[MilpModel, MilpIndex]:
     """The MILP minimising the predicted peak P (GiB) under the same structural constraints."""
     fw, bw, rc, other, pruned = _select_events(problem, None)
+    mixed = _select_mixed(problem, None)
     model = MilpModel(name="sacplan_minpeak")
-    idx = MilpIndex(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc))
+    idx = MilpIndex(pruned_events=pruned - len(mixed), kept_events=len(fw) + len(bw) + len(rc) + len(mixed))
     _base_columns(problem, model, idx, with_cost=False)
     lbP = max([0.0, other / GiB if other > -math.inf else 0.0])
     idx.P = model.add_col("P", lbP, math.inf, False, 1.0)
     Fcol, Gcol = _sums(
         problem,
-        model, idx, [kc for kc, _ in fw], [kc for kc, _ in bw] + [kc for kc, *_ in rc], {}, {}
+        model, idx, [kc for kc, _ in fw] + [kf for kf, *_ in mixed],
+        [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []), {}, {}
     )
+    for j, (kf, kb, terms, base, ss) in enumerate(mixed):
+        ind, val = _mixed_row(problem, idx, Fcol, Gcol, kf, kb, terms, ss)
+        model.add_row(f"pm{j}_{kf}_{kb}", ind + [idx.P], val + [1.0], lb=base / GiB)
     for kc, base in fw:
         model.add_row(f"pf{kc}", [Fcol[kc], idx.P], [1.0, 1.0], lb=base / GiB)
     for kc, base in bw:
@@ -216,7 +227,7 @@ def _select_events(
     """
     b = 0.0 if budget is None else float(budget)
     need = problem.ev_base - b
-    ph = problem.ev_phase
+    ph = np.where(problem.ev_mixed, -1, problem.ev_phase)  # interleaved events: _select_mixed
     n_total = len(need)
     other = float(np.max(need[ph == OTHER])) if np.any(ph == OTHER) else -math.inf
     prune = budget is not None
@@ -269,6 +280,53 @@ def _select_events(
                 kept_coefs.append(cfs)
     kept = len(fw) + len(bw) + len(rc) + (1 if other > -math.inf else 0)
     return fw, bw, rc, other, n_total - kept
+
+
+def _select_mixed(
+    problem: SacProblem, budget: float | None
+) -> list[tuple[int, int, tuple[tuple[int, float], ...], float, int]]:
+    """The interleaved events' constraints (:attr:`~sacplan.timeline.Timeline.mixed`: a pipeline stage's schedule)
+    as ``(kf, kb, terms, need, surge slot)``: ``kf``/``kb`` the candidate-entry counts of ``fw_post_order`` /
+    ``bw_pre_order`` before the event, ``terms`` and the surge slot what checkpointing adds there (as for rc events in
+    :func:`_select_events`). Events that fit the budget in the worst case are dropped, and of those with the same
+    ``(kf, kb, slots)`` only the Pareto-maximal ``(need, added bytes)``."""
+    idx = np.nonzero(problem.ev_mixed)[0]
+    if not len(idx):
+        return []
+    need = problem.ev_base - (0.0 if budget is None else float(budget))
+    slack = max(float(problem.fw_over.sum()), float(problem.bw_over.sum()))
+    top = problem.surge_top()
+    groups: dict[tuple[int, int, tuple[int, ...], int], list[tuple[float, tuple[float, ...]]]] = {}
+    for i in idx:
+        terms = problem.ev_terms[i]
+        ss = int(problem.ev_surge[i])
+        if budget is not None and need[i] + slack + sum(cf for _, cf in terms) + top[i] <= 0:
+            continue
+        key = (int(problem.kc_fw[problem.ev_kf[i]]), int(problem.kc_bw[problem.ev_kb[i]]), tuple(sl for sl, _ in terms), ss)
+        groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
+    out: list[tuple[int, int, tuple[tuple[int, float], ...], float, int]] = []
+    for key in sorted(groups):
+        kept: list[tuple[float, ...]] = []
+        for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
+            if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept):
+                out.append((key[0], key[1], tuple(zip(key[2], cfs)), nd, key[3]))
+                kept.append(cfs)
+    return out
+
+
+def _mixed_row(
+    problem: SacProblem, idx: MilpIndex, Fcol: dict[int, int], Gcol: dict[int, int], kf: int, kb: int,
+    terms: Sequence[tuple[int, float]], ss: int,
+) -> tuple[list[int], list[float]]:
+    """Columns and coefficients of an interleaved event's freed bytes ``F_kf + G_kb - G_0`` less what checkpointing
+    adds there (GiB)."""
+    coef: dict[int, float] = {}
+    for col, v in ((Fcol[kf], 1.0), (Gcol[kb], 1.0), (Gcol[0], -1.0)):
+        coef[col] = coef.get(col, 0.0) + v
+    ind, val = _added(problem, idx, terms, ss)
+    for col, v in zip(ind, val):
+        coef[col] = coef.get(col, 0.0) - v
+    return list(coef), list(coef.values())
 
 
 def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_cost: bool) -> None:

@@ -97,6 +97,9 @@ class SacProblem:
         slot_by_fqn = {c.fqn: c.slot for c in self.candidates}
         n = tl.num_events
         self.ev_k = tl.pos
+        #: interleaved events (:attr:`~sacplan.timeline.Timeline.mixed`, pipeline schedules): rows on both running sums
+        self.ev_mixed = tl.mixed
+        self.ev_kf, self.ev_kb = tl.fw_pos, tl.bw_pos
         self.ev_base = tl.base
         self.ev_module = list(tl.module)
         self.ev_phase = tl.phase.copy()  # rc events where checkpointing adds nothing become bw rows

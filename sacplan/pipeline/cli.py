@@ -1,0 +1,90 @@
+"""``sacplan plan MODEL --pp N``: one plan per pipeline stage (the CLI's pipeline path; :mod:`sacplan.cli` hands
+over here when ``--pp`` is given).
+
+The preset is split into stages (:mod:`sacplan.pipeline.presets`), every rank collected over the schedule's step
+(:func:`~sacplan.pipeline.collect_pipeline`), each rank's stats composed with the other parallel dimensions
+(:func:`per_rank_stats`: ``--world-size`` FSDP2/DDP sharding today; the hook where tensor / data-parallel sharding
+of a stage's stats composes), planned (:func:`~sacplan.pipeline.solve_pipeline`) and printed stage by stage;
+``-o`` writes the one pipeline plan file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from sacplan.errors import ConfigError
+
+__all__ = ["add_pipeline_args", "per_rank_stats", "plan_pipeline"]
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """``--pp``, ``--microbatches``, ``--schedule``, ``--stages-per-rank`` on the ``plan`` command."""
+    g = p.add_argument_group("pipeline parallelism (Llama presets)")
+    g.add_argument("--pp", type=int, default=None, metavar="N", help="pipeline ranks: print one plan per stage")
+    g.add_argument("--microbatches", type=int, default=None, metavar="M", help="microbatches per step (default 2 x --pp)")
+    g.add_argument("--schedule", default="1f1b", help="1f1b (default), gpipe or interleaved1f1b")
+    g.add_argument("--stages-per-rank", type=int, default=2, metavar="V",
+                   help="stages each rank holds under interleaved1f1b (default 2)")
+
+
+def per_rank_stats(stats: list[Any], args: argparse.Namespace) -> list[Any]:
+    """Each pipeline rank's stats composed with the other parallel dimensions of ``args`` (``--world-size``: FSDP2
+    or DDP over that many data-parallel ranks, :func:`sacplan.distributed.shard_stats`)."""
+    ws = getattr(args, "world_size", None)
+    if ws is None or ws <= 1:
+        return stats
+    from sacplan.distributed import shard_stats
+
+    units: Any = "each block"
+    if getattr(args, "fsdp_units", None):
+        units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()]
+    mode = "ddp" if getattr(args, "ddp", False) else "fsdp"
+    return [shard_stats(s, ws, fsdp_units=units, mode=mode) for s in stats]
+
+
+def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any, knobs: dict[str, Any]) -> int:
+    """Collect, plan and print every stage (see module docstring); returns the exit code."""
+    from sacplan.collector import parse_dtype
+    from sacplan.pipeline.collect import collect_pipeline
+    from sacplan.pipeline.plans import solve_pipeline
+    from sacplan.pipeline.presets import preset_pipeline
+    from sacplan.pipeline.schedule import MULTI_STAGE, schedule_key
+
+    pp = int(args.pp)
+    if pp < 1:
+        raise ConfigError(f"--pp must be at least 1, got {pp}")
+    if spec.preset is None:
+        raise ConfigError("--pp builds pipeline stages for the built-in Llama presets; for your own model call "
+                          "sacplan.collect_pipeline(stage_fns, inputs, ...) from Python")
+    key = schedule_key(args.schedule)
+    per_rank = int(args.stages_per_rank) if key in MULTI_STAGE else 1
+    mb = int(args.microbatches) if args.microbatches is not None else 2 * pp
+    if mb < 1:
+        raise ConfigError(f"--microbatches must be at least 1, got {mb}")
+    batch = args.batch if args.batch is not None else mb  # one sequence per microbatch unless --batch says
+    if batch % mb:
+        raise ConfigError(f"--batch {batch} does not split into {mb} microbatches; give a multiple of --microbatches")
+    say = None if args.quiet else (lambda s: print(f"sacplan: {s}", file=sys.stderr, flush=True))
+    dtype = parse_dtype(knobs["dtype"])
+    fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=dtype,
+                                        overrides=spec.overrides)
+    stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss, target=tokens,
+                             device=device, dtype=dtype, model_name=spec.label, progress=say)
+    stats = per_rank_stats(stats, args)
+    if say:
+        say("solving every rank")
+    limit = {} if args.time_limit is None else {"time_limit_s": args.time_limit}
+    plan = solve_pipeline(stats, budget, solver=args.solver, **limit)
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, default=str))
+    else:
+        print(f"batch {batch} ({mb} microbatches of {batch // mb}), seq {knobs['seq']}, dtype {knobs['dtype']}")
+        print(plan.summary())
+        if args.output:
+            print(f"\npipeline plan written to {args.output}")
+    return 0

@@ -1,0 +1,164 @@
+"""Prove per-stage plans on real CPU steps: one gloo process per pipeline rank, without and with the plans.
+
+:func:`validate_pipeline` spawns ``num_ranks`` processes (gloo, rendezvous on a FileStore in a temporary folder: no
+TCP port), each running :func:`~sacplan.pipeline.measure.measure_rank` twice — without a plan, then with its rank's
+plan — and returns one :class:`RankReport` per rank: measured vs predicted peak both ways, and whether the warm-up
+step's gradients are bitwise equal. Stage factories, inputs and loss must pickle (module-level functions,
+``functools.partial``), as for any spawned process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from sacplan.errors import ConfigError, ValidationError
+from sacplan.stats import ModelStats
+
+__all__ = ["RankReport", "validate_pipeline"]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's real steps next to the predictions (bytes).
+
+    Attributes:
+        rank, stages: the rank and the stage indices it holds.
+        predicted_baseline, measured_baseline: peak without a plan (the stats' peak; the measured step's).
+        predicted_plan, measured_plan: peak with the rank's plan (the plan's prediction; the measured step's).
+        profiler_baseline, profiler_plan: the CPU allocator's view of the same steps (cross-check; it misses frees
+            gloo's threads make, so it may read high on ranks that send).
+        grads_equal: every parameter's gradient of the first step is bitwise equal with and without the plan.
+    """
+
+    rank: int
+    stages: tuple[int, ...]
+    predicted_baseline: int
+    measured_baseline: int
+    predicted_plan: int
+    measured_plan: int
+    profiler_baseline: int
+    profiler_plan: int
+    grads_equal: bool
+
+    @property
+    def baseline_error(self) -> float:
+        """(measured - predicted) / measured without a plan."""
+        return (self.measured_baseline - self.predicted_baseline) / self.measured_baseline
+
+    @property
+    def plan_error(self) -> float:
+        """(measured - predicted) / measured with the plan."""
+        return (self.measured_plan - self.predicted_plan) / self.measured_plan
+
+
+def validate_pipeline(
+    stage_fns: Sequence[Callable[[], nn.Module]],
+    inputs: Any,
+    stats: Sequence[ModelStats],
+    plans: Sequence[Any],
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    target: torch.Tensor | None = None,
+    seed: int = 0,
+) -> list[RankReport]:
+    """Run every rank's real schedule step without and with its plan (one spawned gloo process per rank).
+
+    Args:
+        stage_fns, inputs, loss_fn, target: as given to :func:`~sacplan.pipeline.collect_pipeline` (picklable).
+        stats: what :func:`~sacplan.pipeline.collect_pipeline` returned for them on the ``"cpu"`` device (its
+            ``meta["pipeline"]`` gives the schedule, microbatches and ranks).
+        plans: per rank, a :class:`~sacplan.plan.Plan` solved on ``stats[rank]``, or one pipeline plan
+            (:class:`~sacplan.pipeline.plans.PipelinePlan`) holding every rank's.
+        seed: stages are built after ``torch.manual_seed(seed)`` in both runs.
+
+    Raises:
+        ConfigError: the stats are not a pipeline's, or plans and ranks do not match.
+        ValidationError: a rank failed (its traceback in the message).
+    """
+    import torch.multiprocessing as mp
+
+    infos = [dict(s.meta.get("pipeline") or {}) for s in stats]
+    if not infos or not all(infos):
+        raise ConfigError("validate_pipeline needs the stats collect_pipeline returned (one per rank)")
+    info = infos[0]
+    ws = int(info["num_ranks"])
+    if len(stats) != ws:
+        raise ConfigError(f"{len(stats)} stats for a pipeline of {ws} ranks")
+    if hasattr(plans, "for_rank"):  # one pipeline plan: each rank applies it stage by stage (apply_plan(.., stage=i))
+        docs = [("pipeline", plans.to_dict())] * ws  # type: ignore[union-attr]
+        plans = [plans.for_rank(r) for r in range(ws)]  # type: ignore[union-attr]
+    else:
+        plans = list(plans)
+        docs = [("plan", p.to_dict()) for p in plans]
+    if len(plans) != ws:
+        raise ConfigError(f"{len(plans)} plans for a pipeline of {ws} ranks: pass one per rank")
+    job = dict(stage_fns=list(stage_fns), inputs=inputs, schedule=info["schedule"], microbatches=int(info["microbatches"]),
+               plans=docs, loss_fn=loss_fn, target=target, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="sacplan-pp-") as tmp:
+        q = mp.get_context("spawn").SimpleQueue()
+        try:
+            mp.spawn(_worker, args=(ws, str(Path(tmp) / "rdzv"), job, q), nprocs=ws, join=True)
+        except Exception as e:  # a rank died without reporting: the others' reports still say why
+            died: BaseException | None = e
+        else:
+            died = None
+        results = []
+        while not q.empty():
+            results.append(q.get())
+    errors = [f"rank {r['rank']}: {r['error']}" for r in results if "error" in r]
+    if errors or died is not None or len(results) != ws:
+        raise ValidationError("pipeline validation failed:\n" + "\n".join(errors or [str(died)]))
+    out = []
+    for r in sorted(results, key=lambda r: r["rank"]):
+        none, pl = r["none"], r["plan"]
+        out.append(RankReport(
+            rank=r["rank"], stages=tuple(none["stages"]),
+            predicted_baseline=int(stats[r["rank"]].peak_bytes), measured_baseline=none["peak_bytes"],
+            predicted_plan=int(plans[r["rank"]].predicted_peak_bytes),
+            measured_plan=pl["peak_bytes"], profiler_baseline=none["profiler_peak_bytes"],
+            profiler_plan=pl["profiler_peak_bytes"], grads_equal=none["grad_digests"] == pl["grad_digests"],
+        ))
+    return out
+
+
+def _plan_of(doc: tuple[str, dict], plan_cls: Any, pipeline_cls: Any) -> Any:
+    kind, d = doc
+    return pipeline_cls.from_dict(d) if kind == "pipeline" else plan_cls.from_dict(d)
+
+
+def _worker(rank: int, ws: int, rdzv: str, job: dict, q: Any) -> None:
+    """One rank: join the gloo group, measure without and with the plan, report on ``q``."""
+    import torch.distributed as dist
+
+    from sacplan.pipeline.measure import measure_rank
+    from sacplan.pipeline.plans import PipelinePlan
+    from sacplan.plan import Plan
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=ws)
+        out: dict[str, Any] = {}
+        for name, plan in (("none", None), ("plan", _plan_of(job["plans"][rank], Plan, PipelinePlan))):
+            r = measure_rank(job["stage_fns"], job["inputs"], schedule=job["schedule"], microbatches=job["microbatches"],
+                             num_ranks=ws, plan=plan, loss_fn=job["loss_fn"], target=job["target"], seed=job["seed"])
+            out[name] = r
+        q.put(dict(rank=rank, **out))
+    except BaseException as e:  # reported to the parent
+        q.put(dict(rank=rank, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # the report is on the queue: leave without interpreter teardown, where gloo's threads sometimes abort the
+    # process after the work is done (see tests/distributed/_mp.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,107 @@
+"""One rank's measured FSDP2 step, shared by the mixed-precision and 2-D mesh tests.
+
+:func:`measure_rank` builds the Llama twice (same seed), parallelizes both with ``parallelize(model)``, applies
+the plan to one of them (before or after ``parallelize``), runs two steps (optimizer state exists, as in
+``collect``), then measures the third step of each with sacplan's StepRecorder on the real tensors (the local
+shards are registered as state), and compares the first step's local gradients bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def local(t: Any) -> Any:
+    """The local shard of a DTensor (a plain tensor unchanged)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[list, list]:
+    params = [local(p) for p in model.parameters()]
+    opt_state = [local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return params, opt_state
+
+
+def recorded_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, toks: torch.Tensor, step: Callable[[], None]) -> tuple[int, str]:
+    """Peak bytes of ``step()`` by the StepRecorder with the rank's state registered (bytes, where)."""
+    from sacplan.collector.records import BUFFER, INPUT, OPT, PARAM
+    from sacplan.collector.runtime import RuntimeModel
+    from sacplan.collector.tracker import StepRecorder
+    from sacplan.devices import CPU
+
+    params, opt_state = state_of(model, opt)
+    rec = StepRecorder(model, CPU, RuntimeModel(CPU))
+    with rec:
+        rec.register(params, PARAM)
+        rec.register([local(b) for b in model.buffers()], BUFFER)
+        rec.register(opt_state, OPT)
+        rec.register((toks,), INPUT)
+        rec.close_segment()
+        rec.recording = True
+        step()
+        rec.close_segment("other")
+    return rec.step_peak, rec.step_peak_where
+
+
+def measure_rank(
+    build: Callable[[], torch.nn.Module],
+    parallelize: Callable[[torch.nn.Module], torch.nn.Module],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    toks: torch.Tensor,
+    plan_dict: dict,
+    order: str = "before",
+    reference: Callable[[], list[torch.Tensor]] | None = None,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+) -> dict:
+    """Peaks of the unplanned and planned step, and whether their first-step gradients are bitwise equal.
+
+    With ``reference`` (a callable returning the single-process gradients of the whole model, in
+    ``parameters()`` order), the unplanned model's full gradients are also compared with it (allclose).
+    """
+    from sacplan.apply import apply_plan
+    from sacplan.plan import Plan
+
+    t0 = time.perf_counter()
+    plan = Plan.from_dict(plan_dict)
+    out: dict[str, Any] = {}
+    grads: dict[str, list[torch.Tensor]] = {}
+    for label in ("plain", "planned"):
+        torch.manual_seed(0)
+        model = build()
+        if label == "planned" and order == "before":
+            apply_plan(model, plan)
+        runner = parallelize(model)
+        if label == "planned" and order == "after":
+            apply_plan(runner, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+        def step() -> None:
+            loss = loss_fn(runner(toks), toks)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        loss = loss_fn(runner(toks), toks)
+        loss.backward()
+        del loss
+        grads[label] = [local(p.grad).clone() for p in model.parameters()]
+        if label == "plain" and reference is not None:
+            full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+            ref = reference()
+            out["max_ref_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(full, ref))
+            out["ref_close"] = all(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol) for a, b in zip(full, ref))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step()
+        peak, where = recorded_peak(model, opt, toks, step)
+        out[f"{label}_peak"], out[f"{label}_where"] = peak, where
+        del model, runner, opt
+    out["bitwise"] = all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["planned"]))
+    out["grad_shapes"] = [list(g.shape) for g in grads["plain"]]
+    out["seconds"] = time.perf_counter() - t0
+    return out

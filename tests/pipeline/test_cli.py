@@ -1,0 +1,45 @@
+"""`sacplan plan MODEL --pp N`: one plan per stage, one plan file (in-process, a tiny preset)."""
+
+from __future__ import annotations
+
+import pytest
+
+import sacplan
+from sacplan.cli import main
+from sacplan.pipeline import PipelinePlan
+
+
+def test_pp_prints_one_plan_per_stage_and_writes_one_file(tmp_path, capsys):
+    out = tmp_path / "pp.json"
+    rc = main(["plan", "llama-tiny", "--pp", "2", "--microbatches", "2", "--seq", "32", "--device", "h100",
+               "--budget", "80%", "-q", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "pipeline plan: Schedule1F1B, 2 ranks, 2 stages, 2 microbatches" in text
+    assert "== stage 0 (rank 0)" in text and "== stage 1 (rank 1)" in text
+    assert "batch 2 (2 microbatches of 1), seq 32, dtype bf16" in text
+    plan = sacplan.load_plan(out)
+    assert isinstance(plan, PipelinePlan) and plan.rank_stages == ((0,), (1,))
+    # stage 0 holds the embeddings and layer 0, stage 1 layer 1 and the head (global layer names)
+    from sacplan.models import get_model
+    from sacplan.pipeline.presets import preset_pipeline
+
+    fns, _, _ = preset_pipeline(get_model("llama-tiny"), 2, batch=2, seq=32, dtype=None)
+    names = [{n for n, _ in f().named_modules()} for f in fns]
+    assert "tok_embeddings" in names[0] and "layers.0" in names[0] and "layers.1" in names[1] and "output" in names[1]
+
+
+@pytest.mark.parametrize("argv, code, msg", [
+    (["--pp", "2", "--microbatches", "3", "--batch", "4"], 2, "does not split into 3 microbatches"),
+    (["--pp", "2", "--schedule", "zero-bubble"], 2, "unknown pipeline schedule"),
+    (["--pp", "3"], 2, "3 pipeline stages need at least 3 layers"),
+])
+def test_pp_usage_errors_are_one_line(argv, code, msg, capsys):
+    rc = main(["plan", "llama-tiny", "--seq", "32", "-q"] + argv)
+    err = capsys.readouterr().err
+    assert rc == code and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_pp_on_a_cnn_preset_says_how_to_pipeline_your_own_model(capsys):
+    assert main(["plan", "cnn-tiny", "--pp", "2", "-q"]) == 1
+    assert "sacplan.collect_pipeline(stage_fns, inputs" in capsys.readouterr().err
