@@ -4,8 +4,8 @@
     python examples/timm_vit.py --depth 6 --dim 192 --target h100 --no-validate
 
 timm imports torchvision; with PyPI torchvision beside a CPU torch wheel its compiled ops do not load, so
-this script declares the two op schemas torchvision's fake registrations expect (as the tests do) when
-they are missing.
+this script declares the op schemas torchvision's fake registrations expect
+(:mod:`sacplan.testing.torchvision_cpu`, as the tests do) when they are missing.
 """
 
 from __future__ import annotations
@@ -15,22 +15,10 @@ import argparse
 import torch
 
 import sacplan
+from sacplan.testing.torchvision_cpu import declare_torchvision_schemas
 
 
-def _declare_torchvision_schemas() -> list:
-    libs = []
-    for name, schema in (("nms", "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"),
-                         ("qnms", "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")):
-        try:
-            torch._C._dispatch_find_schema_or_throw(f"torchvision::{name}", "")
-        except RuntimeError:
-            lib = torch.library.Library("torchvision", "FRAGMENT")
-            lib.define(schema)
-            libs.append(lib)
-    return libs
-
-
-_LIBS = _declare_torchvision_schemas()
+_LIBS = declare_torchvision_schemas()  # the README's install: torchvision beside a CPU torch
 
 
 def main() -> None:

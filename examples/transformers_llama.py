@@ -7,7 +7,8 @@ The model is used as transformers users write it: keyword inputs (``input_ids`` 
 the model computes itself (``loss_fn=lambda out: out.loss``). No weights are downloaded. ``apply_plan`` turns
 the default ``config.use_cache=True`` off for training with one warning, as ``gradient_checkpointing_enable``
 does. transformers imports torchvision when it is installed; beside a CPU torch wheel PyPI torchvision's
-compiled ops do not load, so the two op schemas its fake registrations expect are declared when missing.
+compiled ops do not load, so the op schemas its fake registrations expect are declared when missing
+(:mod:`sacplan.testing.torchvision_cpu`).
 """
 
 from __future__ import annotations
@@ -17,22 +18,10 @@ import argparse
 import torch
 
 import sacplan
+from sacplan.testing.torchvision_cpu import declare_torchvision_schemas
 
 
-def _declare_torchvision_schemas() -> list:
-    libs = []
-    for name, schema in (("nms", "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"),
-                         ("qnms", "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")):
-        try:
-            torch._C._dispatch_find_schema_or_throw(f"torchvision::{name}", "")
-        except RuntimeError:
-            lib = torch.library.Library("torchvision", "FRAGMENT")
-            lib.define(schema)
-            libs.append(lib)
-    return libs
-
-
-_LIBS = _declare_torchvision_schemas()
+_LIBS = declare_torchvision_schemas()  # the README's install: torchvision beside a CPU torch
 
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  (imports torchvision when installed)

@@ -27,7 +27,7 @@ from sacplan.units import GiB, MiB, parse_budget
 if TYPE_CHECKING:
     from sacplan.solver.options import SolverOptions
 
-__all__ = ["SweepRow", "SweepResult", "sweep", "repeated_blocks", "full_ac_point"]
+__all__ = ["SweepRow", "SweepResult", "sweep", "repeated_blocks", "full_ac_point", "flat_notes"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class SweepResult:
         blocks: the repeated blocks used for ``full_ac_point``.
         baseline_step_ms: estimated step time without checkpointing.
         model_name, device_name, world_size: provenance.
+        notes: why the sweep is flat, when no plan can lower the peak (printed under the table).
     """
 
     rows: tuple[SweepRow, ...]
@@ -90,6 +91,7 @@ class SweepResult:
     device_name: str = ""
     world_size: int = 1
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    notes: tuple[str, ...] = ()
 
     def table(self) -> str:
         """A readable table (GiB, or MiB when the no-AC peak is under 1 GiB; ms)."""
@@ -116,6 +118,9 @@ class SweepResult:
                 )
             else:
                 lines.append(f"  {r.budget_bytes / u:10.3f}  {'-':>9}  {'-':>12}  {'-':>8}  {'-':>5}  infeasible")
+        if self.notes:
+            lines.append("")
+            lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -134,6 +139,7 @@ class SweepResult:
             else {"peak_bytes": self.full_ac_point[0], "recompute_ms": self.full_ac_point[1]},
             "blocks": list(self.blocks),
             "rows": [r.to_dict() for r in self.rows],
+            "notes": list(self.notes),
         }
 
 
@@ -248,14 +254,32 @@ def _sweep(
             "time_limit_s (CLI: --time-limit) to prove them", TimeLimitWarning, stacklevel=3)
     blocks = repeated_blocks(tree)
     ws = world_size or stats.world_size
+    full = full_ac_point(tree, blocks, world_size=world_size)
     return SweepResult(
         rows=tuple(rows),
         min_feasible_bytes=int(mf),
         baseline_peak_bytes=int(base),
-        full_ac_point=full_ac_point(tree, blocks, world_size=world_size),
+        full_ac_point=full,
         blocks=blocks,
         baseline_step_ms=float(stats.step_ms),
         model_name=stats.model_name,
         device_name=stats.device.name,
         world_size=int(ws),
+        notes=flat_notes(tree, int(mf), int(base), full),
     )
+
+
+def flat_notes(tree: ModuleTree, min_feasible_bytes: int, baseline_peak_bytes: int,
+               full: tuple[int, float] | None) -> tuple[str, ...]:
+    """Why no plan lowers the peak (lines), when the minimum feasible budget is the no-checkpointing peak."""
+    from sacplan.plan import peak_advice
+    from sacplan.units import fmt_bytes
+
+    if min_feasible_bytes < baseline_peak_bytes:
+        return ()
+    same = "" if full is None else f" (full AC of every block peaks at {fmt_bytes(full[0])} too)"
+    lines = [f"flat: no plan lowers this step's peak of {fmt_bytes(baseline_peak_bytes)}{same}."]
+    lines += peak_advice(tree.stats.peak_phase, tree.stats.peak_module)
+    lines.append("planning matters when activations set the peak, e.g. with a larger batch or sequence "
+                 "(--batch/--seq, or your factory's inputs)")
+    return tuple(lines)

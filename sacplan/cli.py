@@ -7,7 +7,7 @@
     sacplan show plan.json
     sacplan devices                                # target GPUs for --device
     sacplan models                                 # built-in presets for MODEL
-    sacplan validate llama-tiny --plan plan.json --on cpu
+    sacplan validate llama-tiny --plan plan.json --on cpu [--compile]
 
 MODEL is a preset name (``sacplan models``) or ``path/to/file.py:factory``: see
 :data:`sacplan.cli_models.FACTORY_CONTRACT`
@@ -18,8 +18,8 @@ Budgets: ``60GiB``, ``64.4GB``, ``512MiB``, a plain number of GiB (``60``) or a 
 device's memory (``80%``, the default).
 
 Exit codes: 0 ok; 2 bad argument (usage, unknown device or preset, unparsable budget, missing factory file
-or function); 3 infeasible budget (the message gives the minimum feasible budget); 1 any other sacplan
-error; 130 interrupted (Ctrl-C). Errors are one line on stderr, never a traceback; so are warnings (e.g. a budget
+or function, a model file that fails to import); 3 infeasible budget (the message gives the minimum feasible
+budget); 1 any other sacplan error; 130 interrupted (Ctrl-C). Errors are one line on stderr, never a traceback; so are warnings (e.g. a budget
 above the target device's memory).
 """
 
@@ -36,8 +36,9 @@ from typing import Any, Callable, Sequence
 from sacplan.cli_models import FACTORY_CONTRACT, ModelSpec, is_file_model, load_model_spec
 from sacplan.cli_mesh import add_mesh_args, check_mesh_args, collect_on_mesh, mesh_requested, mp_policy_of
 from sacplan.cli_models import UsageError as _UsageError
+from sacplan.cli_device import devices_table, target_device
 from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
-from sacplan.units import GiB, fmt_bytes
+from sacplan.units import fmt_bytes
 
 __all__ = ["main", "build_parser", "load_model_spec", "ModelSpec", "format_plan"]
 
@@ -60,25 +61,6 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 def format_plan(plan: Any, extra: Sequence[str] = ()) -> str:
     """The plan's table, :meth:`sacplan.plan.Plan.summary` (one formatter for the CLI and Python)."""
     return plan.summary(extra)
-
-
-def _devices_table() -> str:
-    from sacplan.devices import list_devices
-
-    rows = [("device", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "alloc round B")]
-    for d in list_devices():
-        bf16 = d.peak_flops.get("bf16")
-        fp32 = d.peak_flops.get("fp32")
-        rows.append((
-            d.name,
-            f"{d.memory_bytes / GiB:.1f}",
-            "-" if bf16 is None else f"{bf16 / 1e12:.1f}",
-            "-" if fp32 is None else f"{fp32 / 1e12:.1f}",
-            f"{d.hbm_bandwidth / 1e9:.0f}",
-            str(d.alloc_round_bytes),
-        ))
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows)
 
 
 def _dump(obj: Any) -> None:
@@ -113,7 +95,6 @@ def _one_line_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
 
 def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str, Any]]:
     """Resolve model/device/budget *before* the (slow) collection, so bad arguments fail fast."""
-    from sacplan.devices import get_device
     from sacplan.units import parse_budget
 
     spec = load_model_spec(args.model or DEFAULT_MODEL, layers=args.layers)
@@ -135,7 +116,7 @@ def resolve_job(args: argparse.Namespace) -> tuple[ModelSpec, Any, str, dict[str
     dtype = args.dtype if args.dtype is not None else (DEFAULT_DTYPE if spec.preset is not None else None)
     if getattr(args, "mixed_precision", None):
         dtype = args.mixed_precision  # the compute dtype; the master parameters are fp32
-    device = get_device(args.device)
+    device = target_device(args.device)
     # Parsed here only to fail fast; the *string* goes to solve(), because an int below 1 MiB would be
     # re-read there as GiB (see sacplan.units.parse_budget).
     budget = getattr(args, "budget", None)
@@ -226,7 +207,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   + (" (percentages: of this plan's recompute)" if plan.recompute_ms else ""))
         if args.output:
             print(f"\nplan written to {args.output}")
+        print("\n" + "\n".join(next_steps(args, plan)))
     return EXIT_OK
+
+
+def next_steps(args: argparse.Namespace, plan: Any) -> list[str]:
+    """What to do with the plan just printed: save it, apply it in training, check it on a real step."""
+    model = args.model or DEFAULT_MODEL
+    out = args.output or "plan.json"
+    lines = ["next:"]
+    if not args.output:
+        lines.append(f"  save it:      rerun with -o {out}")
+    if not plan.decisions:
+        lines.append("  nothing to apply: the step fits the budget without checkpointing")
+        return lines
+    lines.append(f"  apply it:     sacplan.apply_plan(model, sacplan.load_plan({out!r}, model=model)) in your training script")
+    lines.append(f"  check it:     sacplan validate {model} --plan {out} --on cuda   (real steps on this machine's GPU; "
+                 "--on cpu where the model fits this machine's memory)")
+    return lines
 
 
 def _check_plot_path(path: str) -> None:
@@ -296,7 +294,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         _dump([d.to_dict() for d in list_devices()])
     else:
-        print(_devices_table())
+        print(devices_table())
     return EXIT_OK
 
 
@@ -332,7 +330,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise _UsageError("--batch/--seq apply to presets only; a file model's factory makes its own inputs")
     plan = load_plan(args.plan)
     model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
-    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args)}
+    kw: dict[str, Any] = {"device": args.on, "progress": _progress(args), "check_fingerprint": not args.no_fingerprint_check,
+                          "compile": args.compile}
     if loss_fn is not None:
         kw["loss_fn"] = loss_fn
     if opt is not None:
@@ -340,13 +339,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         report = validate(model_fn, inputs_fn, plan, **kw)
     except PlanMismatchError as e:
+        why = ("module names or parameter shapes differ" if "fingerprint" in str(e) else _one_line(e).rstrip("."))
+        force = "" if args.no_fingerprint_check else (
+            "; or, if you changed only something the plan does not depend on, add --no-fingerprint-check")
         raise _UsageError(
             f"{args.plan} was made for {plan.model_name or 'another model'} ({len(plan.decisions)} modules "
-            f"checkpointed), not {spec.label}: run `sacplan validate {plan.model_name or 'MODEL'} --plan {args.plan}`, "
-            f"or make a plan for this model with `sacplan plan {args.model} -o PLAN.json` ({_one_line(e)})"
+            f"checkpointed), not {spec.label} ({why}; no real step was run): run `sacplan validate "
+            f"{plan.model_name or 'MODEL'} --plan {args.plan}`, or make a plan for this model with "
+            f"`sacplan plan {args.model} -o PLAN.json`{force}"
         ) from e
     print(report.summary())
-    if not report.grads_match:
+    if report.grads_compared and not report.grads_match:
         print("sacplan: error: gradients with the plan differ from those without it", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
@@ -457,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
+    p.add_argument("--compile", nargs="?", const=True, default=False, choices=("blocks", "model"),
+                   help="run both steps compiled (torch.compile, Inductor): each repeated block as torchtitan does "
+                        "(default), or the whole model ('--compile model'); the plan is applied first")
+    p.add_argument("--no-fingerprint-check", action="store_true",
+                   help="apply a plan whose model fingerprint (module names, parameter shapes) differs from MODEL's")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_validate)
     return parser

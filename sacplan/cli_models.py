@@ -30,7 +30,8 @@ A file model is path/to/file.py:factory, where factory() takes no arguments and 
   loss_fn    loss_fn(output) -> scalar loss, labels captured from the factory, e.g.
              loss_fn=lambda out: torch.nn.functional.cross_entropy(out, labels)  (optional; default:
              the mean of the output); loss_fn(output, inputs) works too
-  optimizer  params -> torch.optim.Optimizer (optional; default AdamW)"""
+  optimizer  params -> torch.optim.Optimizer (optional; default AdamW)
+The file is imported as `python path/to/file.py` would run it: it may import modules beside it."""
 
 _FACTORY_KEYS = ("model", "inputs", "loss_fn", "optimizer")
 _FACTORY_EXAMPLE = "return dict(model=model, inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, y))"
@@ -171,10 +172,19 @@ def load_model_spec(model: str, *, layers: int | None = None) -> ModelSpec:
             raise UsageError(f"cannot import {path_s!r} as a Python file")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
+        # As `python path/to/file.py` does: the file's folder comes first on the import path, so the file can
+        # import modules beside it (`from my_mlp import MLP`), at import time or later inside its factory.
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         try:
             spec.loader.exec_module(mod)
-        except Exception as e:  # the user's file failed at import time
-            raise SacplanError(f"importing {path_s!r} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:  # the user's file failed at import time: a bad MODEL argument (exit 2)
+            sys.modules.pop(name, None)
+            raise UsageError(
+                f"importing {path_s!r} failed: {type(e).__name__}: {e}; fix the file (it is imported as "
+                f"`python {path_s}` would run it, with {folder!r} first on the import path)"
+            ) from e
         fn = getattr(mod, func, None)
         if fn is None:
             have = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_"))[:8]

@@ -353,18 +353,29 @@ def get_device(name_or_spec: str | DeviceSpec) -> DeviceSpec:
     key = table.get(_norm(name_or_spec))
     if key is not None:
         return DEVICES[key]
-    either = _AMBIGUOUS.get(_norm(name_or_spec))
+    either = ambiguous_devices(name_or_spec)
     if either:
         opts = " or ".join(f"{k.lower()} ({DEVICES[k].memory_bytes / 2**30:.1f} GiB)" for k in either)
         raise UnknownDeviceError(f"device {name_or_spec!r} is ambiguous: name one of {opts}")
-    close = difflib.get_close_matches(_norm(name_or_spec), list(table), n=3, cutoff=0.5)
-    suggestions = list(dict.fromkeys(table[c] for c in close))
+    suggestions = close_devices(name_or_spec)
     hint = f" Did you mean {', '.join(repr(s) for s in suggestions)}?" if suggestions else ""
     raise UnknownDeviceError(
         f"unknown device {name_or_spec!r}.{hint} Known devices: {', '.join(DEVICES)}. "
         "For another accelerator pass a sacplan.devices.DeviceSpec(name=..., memory_bytes=..., "
         "peak_flops={'bf16': ...}, hbm_bandwidth=...)."
     )
+
+
+def ambiguous_devices(name: str) -> tuple[str, ...]:
+    """Keys of :data:`DEVICES` that ``name`` may mean when it fits more than one (``"a100"``), else ``()``."""
+    return _AMBIGUOUS.get(_norm(name), ())
+
+
+def close_devices(name: str) -> list[str]:
+    """Keys of :data:`DEVICES` whose names are close to an unknown ``name`` (at most 3, closest first)."""
+    table = _lookup_table()
+    close = difflib.get_close_matches(_norm(name), list(table), n=3, cutoff=0.5)
+    return list(dict.fromkeys(table[c] for c in close))
 
 
 def list_devices() -> list[DeviceSpec]:

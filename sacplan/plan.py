@@ -24,6 +24,20 @@ PLAN_SCHEMA_VERSION = 1
 
 
 
+def peak_advice(phase: str, module: str) -> list[str]:
+    """Where a step's no-checkpointing peak sits (``phase``, ``module``: :attr:`ModelStats.peak_phase` and
+    ``peak_module``) and, when checkpointing cannot lower it, what would (lines)."""
+    label = {Phase.FW: "forward", Phase.BW: "backward", Phase.OTHER: "optimizer step / loss"}.get(phase, phase)
+    lines = [f"no-checkpointing peak: {label}" + ("" if phase == Phase.OTHER else f", in {module or '<top level>'}")]
+    if phase == Phase.OTHER:
+        lines.append(
+            "checkpointing cannot lower that peak (no activations are live there): parameters, gradients and "
+            "optimizer state are; a fused or 8-bit optimizer, sharding them (FSDP, world_size=N / --world-size N) "
+            "or more ranks would"
+        )
+    return lines
+
+
 def _ms(x: float) -> str:
     """Milliseconds for people: three significant digits, no ``0.000 ms`` for a small nonzero time."""
     if x == 0:
@@ -195,15 +209,7 @@ class Plan:
         where = self.meta.get("baseline_peak_at")
         if not where:
             return []
-        phase, module = where[0], where[1] or "<top level>"
-        label = {Phase.FW: "forward", Phase.BW: "backward", Phase.OTHER: "optimizer step / loss"}.get(phase, phase)
-        lines = [f"no-checkpointing peak: {label}" + ("" if phase == Phase.OTHER else f", in {module}")]
-        if phase == Phase.OTHER:
-            lines.append(
-                "checkpointing cannot lower that peak (no activations are live there): parameters, gradients and "
-                "optimizer state are; a fused or 8-bit optimizer, sharding them (FSDP, world_size=N) or more ranks would"
-            )
-        return lines
+        return peak_advice(where[0], where[1])
 
     def summary(self, extra: Sequence[str] = ()) -> str:
         """A human-readable table of the plan (what ``sacplan plan`` and ``sacplan show`` print).
@@ -226,7 +232,7 @@ class Plan:
             *[f"  {x}" for x in extra],
             f"  budget               {fmt_bytes(self.budget_bytes)}",
             f"  no-AC baseline peak  {fmt_bytes(self.baseline_peak_bytes)}",
-            f"  predicted peak       {fmt_bytes(self.predicted_peak_bytes)}  ({fmt_bytes(self.saved_bytes)} saved)",
+            f"  predicted peak       {fmt_bytes(self.predicted_peak_bytes)}  ({fmt_bytes(self.saved_bytes)} below the no-AC peak)",
             f"  step                 {_ms(step)}  ({_ms(self.baseline_step_ms)} + {_ms(self.recompute_ms)} recompute, "
             f"{100 * self.overhead:.1f}% overhead)",
             f"  solver               {solver} (build {self.build_s:.2f} s, solve {self.solve_s:.2f} s)",
@@ -249,6 +255,10 @@ class Plan:
         freed = sum(d.discard_bytes * d.calls for d in self.decisions)
         total = f"total ({len(self.decisions)} modules)"
         lines.append(f"  {total:<{w}}  {'':>5}  {'':>7}  {fmt_bytes(freed):>10}  {_ms(self.recompute_ms):>11}")
+        lines.append(
+            "  freed: what a module drops after its forward (all its calls) until recomputation brings it back in its "
+            f"backward; the peak falls by {fmt_bytes(self.saved_bytes)} (above): only what is dropped at the peak's moment counts"
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:

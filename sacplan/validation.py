@@ -30,13 +30,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from sacplan.apply import apply_plan, remove_plan
+from sacplan.blocks import repeated_blocks
 from sacplan.collector import collect, default_loss, default_optimizer
 from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
+from sacplan.compiling import compile_choice, compile_model
 from sacplan.devices import CPU, DeviceSpec
-from sacplan.errors import ConfigError
+from sacplan.errors import ConfigError, PlanMismatchError
 from sacplan.evaluate import Choice, predict
 from sacplan.stats import Phase
 from sacplan.tree import ModuleTree
@@ -63,14 +65,15 @@ class Measurement:
         tracker_peak_bytes: sacplan's tracker on the real tensors (CPU cross-check; ``None`` on CUDA).
         step_ms: median wall (CPU) or CUDA-event (GPU) time of the timed steps after warm-up, ms (without
             the profiler that measures the peak).
-        flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas).
+        flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas); ``None`` for a
+            compiled step (a dispatch mode would make it run eagerly).
         method: how ``peak_bytes`` was measured.
     """
 
     peak_bytes: int
     tracker_peak_bytes: int | None
     step_ms: float
-    flops: int
+    flops: int | None
     method: str
 
 
@@ -93,9 +96,14 @@ class ValidationReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
     plan_device_name: str = ""
     timed_steps: int = 1
+    compiled: str = ""
+    grads_compared: bool = True
 
     @property
-    def measured_recompute_flops(self) -> int:
+    def measured_recompute_flops(self) -> int | None:
+        """Planned minus baseline FLOPs (``None`` for compiled steps, whose FLOPs are not counted)."""
+        if self.planned.flops is None or self.baseline.flops is None:
+            return None
         return self.planned.flops - self.baseline.flops
 
     @property
@@ -113,17 +121,18 @@ class ValidationReport:
             ("", f"predicted for this host ({self.host})", "measured", "error"),
             ("peak, no plan", fmt_bytes(self.predicted_baseline_peak_bytes), fmt_bytes(self.baseline.peak_bytes), f"{self.baseline_peak_error:+.2%}"),
             ("peak, with plan", fmt_bytes(self.predicted_peak_bytes), fmt_bytes(self.planned.peak_bytes), f"{self.peak_error:+.2%}"),
-            ("recomputed GFLOP", f"{self.predicted_recompute_flops / 1e9:.4f}", f"{self.measured_recompute_flops / 1e9:.4f}",
-             "exact" if self.predicted_recompute_flops == self.measured_recompute_flops else f"{self.measured_recompute_flops - self.predicted_recompute_flops:+d}"),
+            self._flops_row(),
             (f"step ms, no plan{timed}", "", f"{self.baseline.step_ms:.2f}", ""),
             (f"step ms, with plan{timed}", "", f"{self.planned.step_ms:.2f}", ""),
         ]
         w = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"validation on {self.host} ({self.method})"]
+        lines = [f"validation on {self.host} ({self.method})" + (f", compiled: {self.compiled}" if self.compiled else "")]
         lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
         lines.append(
             "gradients: " + ("bitwise equal" if self.grads_bitwise_equal else f"max |diff| {self.max_grad_abs_diff:.3g}")
-            + ("" if self.grads_match else "  (MISMATCH)")
+            + ("" if self.grads_match else "  (MISMATCH)" if self.grads_compared else
+               "  (not compared: the step draws random numbers, and compiled graphs with and without the plan draw "
+               "different ones)")
         )
         if self.baseline.tracker_peak_bytes is not None:
             lines.append(
@@ -138,6 +147,12 @@ class ValidationReport:
             )
         lines += list(self.notes)
         return "\n".join(lines)
+
+    def _flops_row(self) -> tuple[str, str, str, str]:
+        pred, meas = self.predicted_recompute_flops, self.measured_recompute_flops
+        if meas is None:
+            return ("recomputed GFLOP", f"{pred / 1e9:.4f}", "not counted", "(compiled)")
+        return ("recomputed GFLOP", f"{pred / 1e9:.4f}", f"{meas / 1e9:.4f}", "exact" if pred == meas else f"{meas - pred:+d}")
 
 
 def plan_choices(plan: Any) -> dict[str, Choice]:
@@ -240,6 +255,11 @@ def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], 
     return rec.step_peak
 
 
+def _made_for(plan: Any) -> str:
+    name = getattr(plan, "model_name", "") or ""
+    return f" ({name})" if name else ""
+
+
 def _flops(model: nn.Module, args: Inputs, loss_fn: Callable[[Any, Inputs], torch.Tensor]) -> int:
     with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
         loss_fn(call_model(model, args), args).backward()
@@ -272,6 +292,8 @@ def validate(
     grad_atol: float = 1e-6,
     timed_steps: int = 3,
     progress: Callable[[str], None] | None = None,
+    check_fingerprint: bool = True,
+    compile: bool | str = False,
 ) -> ValidationReport:
     """Run real steps without and with ``plan`` and compare with the predictions (see module docstring).
 
@@ -288,9 +310,20 @@ def validate(
         timed_steps: steps timed (without the profiler) after the warm-up and measured steps; their median
             is the reported step time.
         progress: called with a short line before each stage (for CLIs: real steps can take minutes).
+        check_fingerprint: refuse a plan made for another model (module names or parameter shapes differ)
+            before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
+        compile: run both steps compiled with Inductor (:mod:`sacplan.compiling`): ``True`` compiles each
+            repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
+            choose. The plan is applied before compiling. The prediction is the eager step's: compiled steps
+            peak at most there. Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
+            nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
+            all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
+            draw different ones.
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
+        PlanMismatchError: the plan was made for another model (checked after the fake step, before any
+            real one).
     """
     if isinstance(model_fn, nn.Module) or not callable(model_fn):
         raise ConfigError(
@@ -304,6 +337,7 @@ def validate(
         raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"validate supports cpu and cuda devices, not {dev.type!r}")
+    compile_choice(compile, ("any",))  # a bad value fails before the fake step
     loss = as_loss(loss_fn) if loss_fn is not None else default_loss
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
@@ -320,12 +354,19 @@ def validate(
     say = progress or (lambda _s: None)
     say(f"predicting for this host ({dev.type}): one fake step")
     stats = collect(build, raw_inputs, device=spec, optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+    plan_fp = getattr(plan, "fingerprint", None)
+    if check_fingerprint and plan_fp and plan_fp != stats.fingerprint:
+        raise PlanMismatchError(
+            f"this plan was made for another model{_made_for(plan)} (plan fingerprint {plan_fp}, model "
+            f"{stats.fingerprint}): module names or parameter shapes differ; no real step was run. Re-plan for this "
+            "model, or pass check_fingerprint=False if you changed only something the plan does not depend on."
+        )
+    blocks = repeated_blocks(stats)
+    how = compile_choice(compile, blocks)
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
     if missing:
-        from sacplan.errors import PlanMismatchError
-
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
     pred = predict(tree, choices)
 
@@ -334,9 +375,13 @@ def validate(
         model = build().to(dev)
         model.train()
         if with_plan:
-            apply_plan(model, plan)  # turns a Hugging Face training cache off
+            apply_plan(model, plan, check_fingerprint=check_fingerprint)  # turns a Hugging Face training cache off
+            if how is not None:  # after the plan, as torchtitan orders them
+                compiled.append(compile_model(model, how, blocks))
             return steps(model, True)
         with training_without_cache(model):  # as collect records the step and the planned step runs
+            if how is not None:
+                compiled.append(compile_model(model, how, blocks))
             return steps(model, False)
 
     def steps(model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
@@ -359,17 +404,20 @@ def validate(
                 opt.step()
             model.zero_grad(set_to_none=True)
 
-        peak, tracker, ms = measure_step(model, args, step, opt, dev)
+        if how is not None:
+            step()  # compiled: a recompilation on the second call (guards on the first) is not measured
+        peak, tracker, ms = measure_step(model, args, step, opt, dev, track=how is None)
         times = [_timed(step, dev) for _ in range(max(0, timed_steps))]
         if times:
             ms = statistics.median(times)
         torch.manual_seed(seed + 3)
-        flops = _flops(model, args, loss)
+        flops = _flops(model, args, loss) if how is None else None
         if with_plan:
             remove_plan(model)
         method = "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "torch.profiler CPU allocator events + live bytes at step start"
         return Measurement(peak, tracker, ms, flops, method), grads
 
+    compiled: list[str] = []
     base, g0 = run(False)
     planned, g1 = run(True)
     bitwise = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(g0, g1))
@@ -391,6 +439,8 @@ def validate(
         grads_bitwise_equal=bitwise,
         max_grad_abs_diff=max(diffs, default=0.0),
         grads_match=close,
+        grads_compared=how is None or not any(op.is_random for m in stats.modules for op in m.ops),
         plan_device_name=str(getattr(plan, "device_name", "") or ""),
         timed_steps=max(1, timed_steps),
+        compiled=compiled[0] if compiled else "",
     )

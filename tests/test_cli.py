@@ -312,3 +312,26 @@ def test_plan_file_mode_follows_umask(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "p.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_flat_sweep_says_why(capsys):
+    # batch 1 x 8 tokens: the step peaks in the optimizer step, where no activation is live
+    assert main(["sweep", *TINY, "--batch", "1", "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "not needed" in out
+    assert "flat: no plan lowers this step's peak" in out and "optimizer step" in out and "--batch/--seq" in out
+    assert main(["sweep", *TINY, "--points", "3"]) == 0  # a sweep where planning matters says nothing of the kind
+    assert "flat:" not in capsys.readouterr().out
+
+
+def test_plan_names_the_next_steps(tmp_path, capsys):
+    assert main(["plan", *TINY, "--budget", "1.75MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "rerun with -o plan.json" in out and "sacplan validate llama-tiny --plan plan.json" in out
+    assert "sacplan.apply_plan(model, sacplan.load_plan('plan.json', model=model))" in out
+    p = tmp_path / "p.json"
+    assert main(["plan", *TINY, "--budget", "1.75MiB", "-o", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "rerun with -o" not in out and f"--plan {p}" in out
+    assert main(["plan", *TINY]) == 0  # nothing to apply
+    assert "nothing to apply" in capsys.readouterr().out

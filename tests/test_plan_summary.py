@@ -27,13 +27,15 @@ def test_units_follow_each_number():
     assert lines[0] == "SAC plan: m on H100-SXM, world size 1"
     assert lines[1] == "  batch 3, seq 8192"
     assert "  budget               100.00 GiB" in lines  # not 102400.000 MiB
-    assert "  predicted peak       90.00 GiB  (20.00 GiB saved)" in lines
+    assert "  predicted peak       90.00 GiB  (20.00 GiB below the no-AC peak)" in lines
     assert not {"0.000", "0.00", "0.000%"} & set(text.split())  # a small module reads as KiB and 0.0004 ms, not zeros
     row = next(ln for ln in lines if ln.lstrip().startswith("layers.0.norm"))
     assert row.split() == ["layers.0.norm", "1", "50.0%", "2.00", "KiB", "0.0004", "ms", "save", "0", "op(s)"]
     row = next(ln for ln in lines if ln.lstrip().startswith("layers.0 "))
     assert row.split() == ["layers.0", "2", "100.0%", "6.00", "GiB", "12.5", "ms", "full"]
-    assert lines[-1].split() == ["total", "(2", "modules)", "6.00", "GiB", "12.5", "ms"]
+    assert lines[-2].split() == ["total", "(2", "modules)", "6.00", "GiB", "12.5", "ms"]
+    # "freed" sums what modules drop; the header's figure is what the peak loses: the note says which is which
+    assert lines[-1].startswith("  freed: what a module drops after its forward") and "peak falls by 20.00 GiB" in lines[-1]
     assert str(plan) == plan.summary()
 
 

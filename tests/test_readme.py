@@ -50,3 +50,45 @@ def test_one_call_block(tmp_path):
     for line in shown.splitlines():
         if "..." not in line:
             assert line in r.stdout.splitlines(), line
+
+
+def test_readme_sweep_is_what_the_command_prints():
+    """The README's sweep, where planning matters, exactly as the command prints it."""
+    block = re.search(r"```\n\$ (sacplan sweep [^\n]*)\n(.*?)```", README, re.S)
+    argv = block.group(1).split()[1:]
+    r = subprocess.run([sys.executable, "-m", "sacplan", *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == block.group(2).splitlines()
+
+
+def test_install_brings_what_the_readme_says():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {k: {re.split(r"[<>=!\[ ]", d)[0] for d in v} for k, v in extras.items()}
+    # "[test]: sacplan + test/plot/notebook extras": the notebook's nbconvert command works after it
+    assert names["notebook"] <= names["test"] and "nbconvert" in names["test"]
+    assert {"transformers", "accelerate", "lightning"} <= names["trainers"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[trainers]"' in ci and 'pip install -e ".[trainers]"' in README
+
+
+def test_executed_notebook_leaves_no_untracked_file():
+    cmd = re.search(r"`(jupyter nbconvert [^`]*)`", README).group(1)
+    out = cmd.split("--output ")[1].split()[0]
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    r = subprocess.run(["git", "check-ignore", "-q", f"notebooks/{out}"], cwd=ROOT)
+    assert r.returncode == 0, f"notebooks/{out} (written by the README's nbconvert command) is not git-ignored"
+
+
+def test_readme_torchvision_workaround_imports_torchvision(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed")
+    block = re.search(r"importing torchvision.*?```python\n(.*?)```", README, re.S).group(1)
+    code = block + "\nfrom torchvision.models import resnet18\nprint(type(resnet18(num_classes=10)).__name__)\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout.strip() == "ResNet", r.stderr[-2000:]

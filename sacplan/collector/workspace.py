@@ -6,12 +6,16 @@ allocator for the duration of the call, which raise the peak (``torch.profiler``
 recorder adds them to the current segment's peak as transient ``temp`` bytes.
 
 * Host CPU target (``DeviceSpec.name == "CPU"``, used to validate on this host): the workspace of the ops in
-  :data:`WORKSPACE_OPS` is *measured*: the op runs once on random tensors of the same shapes and strides
-  under ``torch.profiler`` (allocator events), and the peak above its outputs is cached per op signature —
-  the same way benchmark mode times ops on the device it plans for. oneDNN convolutions reorder inputs,
-  weights and outputs into blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32);
-  ``_safe_softmax`` (the math attention path) builds boolean masks; fused RMS norm keeps an input-sized
-  temporary. (CTC loss backward follows its rule below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
+  :data:`WORKSPACE_OPS` is *measured*: the op runs once on random tensors of the same shapes and strides under
+  ``torch.profiler`` (allocator events), and the peak above its outputs is cached per op signature — the same way
+  benchmark mode times ops on the device it plans for. oneDNN convolutions reorder inputs, weights and outputs into
+  blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32); ``_safe_softmax`` (the math
+  attention path) builds boolean masks; fused RMS norm keeps an input-sized temporary; the CPU flash attention
+  kernels keep per-thread blocks of scores and fp32 accumulators (their size follows the intra-op thread count,
+  measured with the current one); matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
+  expanded from a ``sum`` / ``mean``; only such signatures are measured). (CTC loss backward follows its rule
+  below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
+
 * CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
   ``expect_contiguous()`` copies of a non-contiguous input / output gradient; ``_safe_softmax`` is composite
   (``softmax``, then ``eq(-inf)`` → a bool tensor of the input's size and ``all(dim)`` → one bool per row,
@@ -42,8 +46,15 @@ _LAYER_NORM_ARGS = {aten.native_layer_norm.default: (0,), aten.native_layer_norm
 #: never measured per call (the measurement's all-zero lengths would not be the step's).
 _CTC_BACKWARD = frozenset({aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor})
 WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozenset(
-    {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default}
+    {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default,
+     aten._scaled_dot_product_flash_attention_for_cpu.default,
+     aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 )
+#: matrix products and their matrix operands: the CPU kernels copy an operand BLAS cannot read in place
+#: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``
+#: expanded over a ``Linear``'s output) into a contiguous temporary while they run
+_MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+WORKSPACE_OPS = WORKSPACE_OPS | frozenset(_MATMUL_ARGS)
 #: CPU workspaces are measured on real tensors only up to this many argument bytes (then the CUDA rules apply)
 MEASURE_CAP_BYTES = 256 * 2**20
 _CACHE: dict[Any, int] = {}
@@ -54,6 +65,8 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
     if func not in WORKSPACE_OPS:
         return 0
     flat, tspec = tree_flatten((args, kwargs))
+    if func in _MATMUL_ARGS and all(_blas_ready(args[i]) for i in _MATMUL_ARGS[func] if i < len(args)):
+        return 0  # the common case, not measured: BLAS reads both operands where they are
     if spec.name == "CPU" and func not in _CTC_BACKWARD:
         size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
         if size <= MEASURE_CAP_BYTES:
@@ -148,12 +161,7 @@ def _measure_cpu(func: Any, flat: list, tspec: Any) -> int:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad():
-        real = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").normal_()
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-            else (torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t)
-            for t in flat
-        ]
+        real = [_real_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
         args, kwargs = tree_unflatten(real, tspec)
         result: list[Any] = []
         try:
@@ -163,3 +171,20 @@ def _measure_cpu(func: Any, flat: list, tspec: Any) -> int:
         outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
         out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
         return max(0, peak - out_bytes)
+
+
+def _blas_ready(t: Any) -> bool:
+    """Whether BLAS reads matrix ``t`` (its last two dimensions) in place: one stride 1, the other at least the
+    leading dimension (a row- or column-major matrix, possibly transposed)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return True
+    (r, c), (sr, sc) = t.shape[-2:], t.stride()[-2:]
+    return (sc == 1 and sr >= max(1, c)) or (sr == 1 and sc >= max(1, r))
+
+
+def _real_like(t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor with ``t``'s shape, strides and dtype (random if floating, else zeros); overlapping
+    strides (an ``expand``-ed gradient has stride 0) view one smaller storage, as ``t`` does."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    base = torch.randn(span, dtype=t.dtype) if t.is_floating_point() else torch.zeros(span, dtype=t.dtype)
+    return base.as_strided(t.shape, t.stride())

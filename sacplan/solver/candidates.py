@@ -172,7 +172,10 @@ def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[f
     act = tuple(int(a) for a in ms.act_bytes) or (int(t.max_discard_bytes),)
     held = ms.held_input_bytes
     over = tuple(ck_overhead + float(held[c] if c < len(held) else 0) for c in range(calls))
-    ratios = [o / (act[c] if c < len(act) else act[-1]) if o > 0 else 0.0 for c, o in enumerate(over)]
+    acts = [act[c] if c < len(act) else act[-1] for c in range(calls)]
+    # a call that frees nothing but keeps overhead (a module called twice, one call keeping no activations)
+    # has no useful ratio: infinity, so the module is skipped as keeping more than it frees
+    ratios = [(o / a if a > 0 else float("inf")) if o > 0 else 0.0 for a, o in zip(acts, over)]
     return over, max(ratios, default=0.0)
 
 

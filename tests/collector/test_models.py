@@ -223,7 +223,7 @@ def test_third_party_init_never_runs_on_real_data():
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     s = collect(ThirdParty, (torch.randn(2, 32768),), device="h100")
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < 60  # ~1 s; the real init (a 4 GiB QR) takes minutes. Wide: a loaded host
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
     assert grown_kib < 1024 * 1024  # far less than the 4 GiB weight (ru_maxrss is in KiB on Linux)
     assert s.module("proj").param_bytes == 32768 * 32768 * 4
@@ -326,7 +326,7 @@ def test_llama_7b_collects_fast_and_small():
     assert s.param_bytes == 6_738_415_616 * 2
     assert s.param_bytes == pytest.approx(6.74e9 * 2, rel=1e-3)
     assert s.dtype == "torch.bfloat16" and s.input_shapes == ((1, 4096),)
-    assert seconds < 15, seconds
+    assert seconds < 90, seconds  # 4-8 s quiet; wide slack for a loaded 2-core host (no load-sensitive bound)
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     assert peak_rss_gib < 24, peak_rss_gib
     assert s.meta["collect_seconds"] <= seconds + 0.01

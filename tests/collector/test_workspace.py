@@ -59,3 +59,26 @@ def test_cpu_layer_norm_workspace_is_measured() -> None:
         x, w, b = _nc(8, 17, 64), torch.empty(64), torch.empty(64)
         out = torch.ops.aten.native_layer_norm.default(x, [64], w, b, 1e-5)
     assert workspace_bytes(CPU, aten.native_layer_norm.default, (x, [64], w, b, 1e-5), {}, out) == 34_816
+
+
+def test_cpu_matmul_copies_an_expanded_operand() -> None:
+    """The gradient of ``sum`` / ``mean`` reaches a ``Linear`` expanded (stride 0): the CPU ``mm`` copies it into a
+    contiguous temporary (64 x 16 fp32 = 4,096 B, measured); operands BLAS reads in place are not measured."""
+    with FakeTensorMode():
+        w = torch.empty(16, 16)
+        g = torch.empty(()).expand(64, 16)
+        out = aten.mm.default(g, w)
+        ws = workspace_bytes(CPU, aten.mm.default, (g, w), {}, out)
+        plain = workspace_bytes(CPU, aten.mm.default, (g.contiguous(), w.t()), {}, out)
+    assert ws == 64 * 16 * 4
+    assert plain == 0
+
+
+def test_cpu_flash_attention_workspace_is_measured() -> None:
+    """The CPU flash attention kernels allocate per-thread score blocks and accumulators beyond their outputs
+    (a one-layer attention model's unplanned peak was 2.7% over the prediction without them)."""
+    with FakeTensorMode():
+        q = torch.empty(2, 2, 16, 16)
+        out = aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q)
+        ws = workspace_bytes(CPU, aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, out)
+    assert ws > 0

@@ -336,13 +336,13 @@ def test_progress_inside_a_sub_problem_shows_the_whole_search() -> None:
 
 
 def _solve_within(tree, budget, limit: float):
-    """``solve`` under ``limit`` seconds (its time-limit warning silenced), asserting it ended within 3x limit + 2 s
-    (generous: a loaded 2-core host)."""
+    """``solve`` under ``limit`` seconds (its time-limit warning silenced), asserting it ended within 10x limit + 5 s
+    (wide slack: a loaded 2-core host; the status "time_limit" is what shows the limit was applied)."""
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TimeLimitWarning)
         plan = solve(tree, budget, time_limit_s=limit)
     took = time.perf_counter() - t0
-    assert took <= 3 * limit + 2.0, f"solve took {took:.1f} s under a {limit} s limit"
+    assert took <= 10 * limit + 5.0, f"solve took {took:.1f} s under a {limit} s limit"
     return plan
 

@@ -117,7 +117,7 @@ def gave_up(P, budget, **kw):
     why: list[str] = []
     t0 = time.perf_counter()
     assert solve_tree_dp(P, budget, why=why, **kw) is None
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 20.0  # milliseconds quiet; wide slack for a loaded host
     return why[0]
 
 
@@ -176,6 +176,6 @@ def test_pareto_keeps_its_work_limit_on_large_fronts():
             t0 = time.perf_counter()
             with pytest.raises(TreeDpGaveUp, match="work limit"):
                 pareto(cost, v, spend)
-            assert time.perf_counter() - t0 < 2.0
+            assert time.perf_counter() - t0 < 20.0  # wide slack for a loaded host (the whole front: minutes)
             counted.append(seen[0])
         assert counted[0] == counted[1] > 1_000_000

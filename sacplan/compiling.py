@@ -1,0 +1,57 @@
+"""``torch.compile`` a model as its users do, for :func:`sacplan.validation.validate` (``compile=...``).
+
+* ``"blocks"`` (what ``compile=True`` means when the model has repeated blocks, as torchtitan compiles by
+  default): each repeated block (:func:`sacplan.blocks.repeated_blocks`) compiled in place with
+  ``Module.compile``; identical blocks share their compiled graphs.
+* ``"model"`` (``compile=True`` without repeated blocks): the whole model compiled in place.
+
+Compiling in place keeps module names, so a plan applied before compiling (torchtitan's order: checkpointing,
+then compile) is found and removed as usual. What compile changes in memory: Inductor fuses pointwise ops, so
+some temporaries the eager step allocates never exist, and its partitioner may recompute cheap ops rather than
+save their outputs; inside a checkpointed region the plan's policy decides. A compiled step therefore peaks at
+most at the eager prediction (see ``benchmarks/RESULTS.md`` for measured figures).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+from torch import nn
+
+from sacplan.errors import ConfigError
+
+__all__ = ["COMPILE_CHOICES", "compile_choice", "compile_model"]
+
+#: What ``validate(compile=...)`` accepts besides ``True`` / ``False``.
+COMPILE_CHOICES = ("blocks", "model")
+
+
+def compile_choice(compile: Any, blocks: Sequence[str]) -> str | None:
+    """``"blocks"``, ``"model"`` or ``None`` (no compile) for a ``compile=`` argument and the model's repeated blocks.
+
+    Raises:
+        ConfigError: anything but a bool or one of :data:`COMPILE_CHOICES`.
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return "blocks" if blocks else "model"
+    if compile in COMPILE_CHOICES:
+        if compile == "blocks" and not blocks:
+            raise ConfigError("compile='blocks': this model has no repeated blocks; use compile='model' (or True)")
+        return str(compile)
+    raise ConfigError(f"compile must be True, False, 'blocks' or 'model', got {compile!r:.60}")
+
+
+def compile_model(model: nn.Module, how: str, blocks: Sequence[str], backend: str = "inductor") -> str:
+    """Compile ``model`` in place (each of ``blocks``, or the whole model); returns a short description."""
+    with warnings.catch_warnings():
+        # sacplan's planned forwards are plain module attributes, not global hooks; nothing to warn about
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        if how == "blocks":
+            for fqn in blocks:
+                model.get_submodule(fqn).compile(backend=backend)
+            return f"{len(blocks)} repeated blocks compiled one by one ({backend})"
+        model.compile(backend=backend)
+        return f"whole model compiled ({backend})"

@@ -1,0 +1,169 @@
+"""Differential check of one fuzz model (:mod:`sacplan.testing.fuzzmodels`): sacplan's plans against the model's
+own unplanned CPU step.
+
+For a :class:`~sacplan.testing.fuzzmodels.ModelSpec` (built by :mod:`sacplan.testing.fuzzmodules`): one real
+unplanned step first (a model torch itself refuses, e.g. an in-place activation overwriting a value its producer's
+backward needs, raises :class:`InvalidModel`: not sacplan's concern), then ``collect`` on fakes for the CPU spec
+(fp32, no optimizer: at fuzz sizes parameters would hold the peak), ``min_feasible_budget`` and the no-checkpointing
+peak, and for each budget fraction ``f`` the plan ``solve(tree, lo + f·(hi − lo))`` checked by:
+
+* :func:`sacplan.validation.validate` (real CPU steps without and with the plan): gradients bitwise equal,
+  measured peak within 1% of the prediction for this host, recomputed FLOPs (``FlopCounterMode``, planned step
+  minus unplanned step) exactly the prediction; the prediction equal to the plan's own (same stats) and its
+  recomputed FLOPs the sum of the plan's decisions';
+* a step of its own with and without the plan: buffers (BatchNorm running statistics, counters) bitwise equal
+  after the step — recomputation must not update them twice;
+* ``remove_plan``: the module's attributes are back as built, and a following step gives bitwise the gradients
+  and buffers of the model that never had a plan.
+
+Failures are collected as text (:attr:`BudgetCheck.failures`), not raised, so a caller sees all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sacplan.apply import apply_plan, remove_plan
+from sacplan.collector import collect
+from sacplan.collector.calling import as_inputs, call_model
+from sacplan.devices import CPU
+from sacplan.solver import min_feasible_budget, solve
+from sacplan.testing.fuzzmodels import ModelSpec
+from sacplan.testing.fuzzmodules import build_model, loss_fn, make_inputs
+from sacplan.tree import ModuleTree
+from sacplan.units import Bytes
+from sacplan.validation import validate
+
+__all__ = ["BudgetCheck", "InvalidModel", "check_spec", "failures"]
+
+#: Largest |measured − predicted| / measured peak accepted.
+PEAK_TOLERANCE = 0.01
+
+
+class InvalidModel(Exception):
+    """The model's own unplanned step fails (torch refuses the drawn model): nothing to compare against."""
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    """The checks of one plan (bytes, FLOPs).
+
+    Attributes:
+        fraction: where the budget lies between the minimum feasible (0) and the no-checkpointing peak (1).
+        budget_bytes: the budget solved for.
+        checkpointed: the plan's checkpointed modules, ``fqn`` or ``fqn[saved ops]``.
+        failures: what did not hold (empty: every check passed).
+        report: :meth:`~sacplan.validation.ValidationReport.summary` of the validation.
+    """
+
+    fraction: float
+    budget_bytes: int
+    checkpointed: tuple[str, ...]
+    failures: tuple[str, ...]
+    report: str
+
+
+def _step(model: nn.Module, spec: ModelSpec, seed: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """One real step: (gradients, buffers after it); gradients are zeroed afterwards."""
+    args = as_inputs(make_inputs(spec))
+    torch.manual_seed(seed)
+    loss_fn(spec)(call_model(model, args), args).backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads, [b.detach().clone() for b in model.buffers()]
+
+
+def _same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b)
+    )
+
+
+def _attrs(model: nn.Module) -> list[tuple[str, list[str]]]:
+    return [(n, sorted(m.__dict__)) for n, m in model.named_modules()]
+
+
+def _own_steps(spec: ModelSpec, plan: Any) -> list[str]:
+    """Buffers after a step with the plan, and the model after ``remove_plan``, against a model never planned."""
+    out = []
+    ref = build_model(spec)
+    fresh_attrs = _attrs(ref)
+    g1, b1 = _step(ref, spec, 11)
+    g2, b2 = _step(ref, spec, 12)
+    model = apply_plan(build_model(spec), plan)
+    pg1, pb1 = _step(model, spec, 11)
+    if not _same(g1, pg1):
+        out.append("gradients of the planned step differ (own step)")
+    if not _same(b1, pb1):
+        out.append("buffers after the planned step differ from the unplanned step's (recomputation updated them)")
+    remove_plan(model)
+    if _attrs(model) != fresh_attrs:
+        out.append("remove_plan left module attributes different from a freshly built model's")
+    rg2, rb2 = _step(model, spec, 12)
+    if not (_same(g2, rg2) and _same(b2, rb2)):
+        out.append("after remove_plan, a step's gradients or buffers differ from the never-planned model's")
+    return out
+
+
+def _check_plan(spec: ModelSpec, plan: Any) -> tuple[list[str], str]:
+    out: list[str] = []
+    rep = validate(lambda: build_model(spec), lambda: make_inputs(spec), plan, loss_fn=loss_fn(spec), optimizer=False,
+                   device="cpu", seed=spec.seed, timed_steps=0)
+    if not rep.grads_bitwise_equal:
+        out.append(f"gradients not bitwise equal (max |diff| {rep.max_grad_abs_diff:.3g})")
+    if abs(rep.peak_error) > PEAK_TOLERANCE:
+        out.append(f"planned peak off by {rep.peak_error:+.2%} ({rep.planned.peak_bytes - rep.predicted_peak_bytes:+d} B)")
+    if abs(rep.baseline_peak_error) > PEAK_TOLERANCE:
+        out.append(f"unplanned peak off by {rep.baseline_peak_error:+.2%} "
+                   f"({rep.baseline.peak_bytes - rep.predicted_baseline_peak_bytes:+d} B)")
+    if rep.measured_recompute_flops != rep.predicted_recompute_flops:
+        out.append(f"recomputed FLOPs {rep.measured_recompute_flops} measured, {rep.predicted_recompute_flops} predicted")
+    if rep.predicted_recompute_flops != sum(d.recompute_flops for d in plan.decisions):
+        out.append("validate's re-prediction of recomputed FLOPs differs from the plan's decisions'")
+    if rep.predicted_peak_bytes != plan.predicted_peak_bytes:
+        out.append(f"validate's predicted peak {rep.predicted_peak_bytes} differs from the plan's {plan.predicted_peak_bytes}")
+    return out, rep.summary()
+
+
+def _label(d: Any) -> str:
+    return d.fqn if d.saved_ops is None else f"{d.fqn}[{', '.join(map(str, d.saved_ops))}]"
+
+
+def check_spec(spec: ModelSpec, fractions: tuple[float, ...] = (0.0, 0.5)) -> list[BudgetCheck]:
+    """Collect, solve at each budget fraction and check every plan (see the module docstring).
+
+    Raises:
+        InvalidModel: the unplanned model's own step fails.
+    """
+    try:
+        _step(build_model(spec), spec, 0)
+    except RuntimeError as e:
+        raise InvalidModel(str(e)) from e
+    stats = collect(lambda: build_model(spec), make_inputs(spec), device=CPU, loss_fn=loss_fn(spec), optimizer=False)
+    tree = ModuleTree(stats)
+    lo, hi = int(min_feasible_budget(tree)), int(stats.peak_bytes)
+    checks = []
+    for f in dict.fromkeys(fractions):
+        budget = lo + round(f * (hi - lo))
+        plan = solve(tree, Bytes(budget))
+        fails, report = _check_plan(spec, plan)
+        fails += _own_steps(spec, plan)
+        checks.append(BudgetCheck(f, budget, tuple(_label(d) for d in plan.decisions), tuple(fails), report))
+    return checks
+
+
+def failures(spec: ModelSpec, checks: list[BudgetCheck]) -> str:
+    """A readable account of the failed checks ('' when all passed), with the spec to paste into a test."""
+    bad = [c for c in checks if c.failures]
+    if not bad:
+        return ""
+    lines = [f"spec = {spec!r}"]
+    for c in bad:
+        lines.append(f"budget {c.budget_bytes} B (fraction {c.fraction:.3f}), checkpointed {list(c.checkpointed)}:")
+        lines += [f"  - {f}" for f in c.failures]
+        lines.append("  " + c.report.replace("\n", "\n  "))
+    return "\n".join(lines)
