@@ -28,6 +28,7 @@ from sacplan.apply import apply_plan, remove_plan
 from sacplan.collector import collect
 from sacplan.devices import CPU
 from sacplan.solver import min_feasible_budget, solve
+from sacplan.units import Bytes
 from sacplan.tree import ModuleTree
 from sacplan.validation import validate
 from tests.conformance._longtail import LONGTAIL
@@ -270,7 +271,9 @@ def _setup(name: str) -> tuple[Case, ModuleTree, dict[str, int]]:
         torch.manual_seed(0)
         tree = ModuleTree(collect(case.build, case.inputs(), device=CPU, loss_fn=case.loss, optimizer=False))
         lo, hi = min_feasible_budget(tree), tree.stats.peak_bytes
-        budgets = {"near-min": lo + (hi - lo) // 50, "midway": (lo + hi) // 2, "near-peak": hi - (hi - lo) // 20}
+        # Bytes: a plain int below 1 MiB would be read as GiB (sacplan.units.parse_budget)
+        budgets = {k: Bytes(v) for k, v in
+                   {"near-min": lo + (hi - lo) // 50, "midway": (lo + hi) // 2, "near-peak": hi - (hi - lo) // 20}.items()}
         _SETUPS[name] = (case, tree, budgets)
     return _SETUPS[name]
 

@@ -108,3 +108,26 @@ def measure_rank(
     out["grad_shapes"] = [list(g.shape) for g in grads["plain"]]
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def check_ranks(layout: str, results: list[dict], plan: Any, base: int) -> list[str]:
+    """Report lines of :func:`measure_rank` results; raises AssertionError naming every rank outside 1% of the
+    predictions (``base``: without a plan; ``plan.predicted_peak_bytes``: with it), with gradients that differ
+    with the plan, or far from the single-process reference."""
+    lines, failures = [], []
+    for r in results:
+        e0 = (r["plain_peak"] - base) / r["plain_peak"]
+        e1 = (r["planned_peak"] - plan.predicted_peak_bytes) / r["planned_peak"]
+        lines.append(f"{layout} rank {r['rank']}: no plan predicted {base} measured {r['plain_peak']} ({e0:+.2%}) at "
+                     f"{r['plain_where']}; plan predicted {plan.predicted_peak_bytes} measured {r['planned_peak']} "
+                     f"({e1:+.2%}) at {r['planned_where']}; bitwise {r['bitwise']}, max |grad - reference| "
+                     f"{r['max_ref_diff']:.1e}, {r['seconds']:.1f}s")
+        if abs(e0) > 0.01 or abs(e1) > 0.01:
+            failures.append(f"rank {r['rank']}: peak off by more than 1%")
+        if not r["bitwise"]:
+            failures.append(f"rank {r['rank']}: gradients differ with the plan")
+        if not r["ref_close"]:
+            failures.append(f"rank {r['rank']}: gradients far from the single-process reference")
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures + lines)
+    return lines

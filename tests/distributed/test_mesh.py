@@ -90,26 +90,6 @@ def predicted(layout: str):
     return stats, plan, base
 
 
-def check(layout: str, results: list[dict], plan, base: int) -> list[str]:
-    """Report lines; raises AssertionError naming every rank outside 1% or with differing gradients."""
-    lines, failures = [], []
-    for r in results:
-        e0 = (r["plain_peak"] - base) / r["plain_peak"]
-        e1 = (r["planned_peak"] - plan.predicted_peak_bytes) / r["planned_peak"]
-        lines.append(f"{layout} rank {r['rank']}: no plan predicted {base} measured {r['plain_peak']} ({e0:+.2%}); "
-                     f"plan predicted {plan.predicted_peak_bytes} measured {r['planned_peak']} ({e1:+.2%}); "
-                     f"bitwise {r['bitwise']}, max |grad - reference| {r['max_ref_diff']:.1e}, {r['seconds']:.1f}s")
-        if abs(e0) > 0.01 or abs(e1) > 0.01:
-            failures.append(f"rank {r['rank']}: peak off by more than 1%")
-        if not r["bitwise"]:
-            failures.append(f"rank {r['rank']}: gradients differ with the plan")
-        if not r["ref_close"]:
-            failures.append(f"rank {r['rank']}: gradients far from the single-process reference")
-    print("\n".join(lines))
-    assert not failures, "\n".join(failures + lines)
-    return lines
-
-
 @pytest.mark.parametrize(
     "layout",
     ["tp2", pytest.param("fsdp2xtp2", marks=pytest.mark.slow), pytest.param("fsdp2-bf16", marks=pytest.mark.slow)],
@@ -119,7 +99,7 @@ def test_fake_mesh_rank_matches_real_ranks(tmp_path, layout):
     assert plan.decisions, "the budget should need checkpointing"
     dp, tp, _ = LAYOUTS[layout]
     assert stats.world_size == dp * tp and stats.meta["distributed"]["rank"] == 0
-    check(layout, _mp.spawn(worker, dp * tp, tmp_path, layout, plan.to_dict()), plan, base)
+    _fsdp_run.check_ranks(layout, _mp.spawn(worker, dp * tp, tmp_path, layout, plan.to_dict()), plan, base)
 
 
 @pytest.mark.slow

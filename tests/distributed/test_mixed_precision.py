@@ -105,21 +105,7 @@ def test_bf16_mixed_per_rank_peak(tmp_path, units, order):
     per_rank = per_rank_stats(units)
     plan, base = plan_for(per_rank)
     results = _mp.spawn(worker, 2, tmp_path, units, order, plan.to_dict())
-    lines, failures = [], []
-    for r in results:
-        e0 = (r["plain_peak"] - base) / r["plain_peak"]
-        e1 = (r["planned_peak"] - plan.predicted_peak_bytes) / r["planned_peak"]
-        lines.append(f"{units} {order} rank {r['rank']}: no plan predicted {base} measured {r['plain_peak']} ({e0:+.2%}) "
-                     f"at {r['plain_where']}; plan predicted {plan.predicted_peak_bytes} measured {r['planned_peak']} "
-                     f"({e1:+.2%}) at {r['planned_where']}; bitwise {r['bitwise']}, ref diff {r['max_ref_diff']:.2e}")
-        if abs(e0) > 0.01 or abs(e1) > 0.01:
-            failures.append(f"rank {r['rank']}: peak off by more than 1%")
-        if not r["bitwise"]:
-            failures.append(f"rank {r['rank']}: gradients differ with the plan")
-        if not r["ref_close"]:
-            failures.append(f"rank {r['rank']}: gradients far from the single-process reference")
-    print("\n".join(lines))
-    assert not failures, "\n".join(failures + lines)
+    _fsdp_run.check_ranks(f"{units} {order}", results, plan, base)
 
 
 # ----------------------------------------------------------------------------------- no process group
