@@ -46,6 +46,19 @@ def recorded_peak(model: torch.nn.Module, opt: torch.optim.Optimizer, toks: torc
     return rec.step_peak, rec.step_peak_where
 
 
+def _stepper(runner: Any, opt: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], torch.Tensor], toks: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``runner`` (forward, backward, optimizer step, gradients dropped)."""
+
+    def step() -> None:
+        loss = loss_fn(runner(toks), toks)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def measure_rank(
     build: Callable[[], torch.nn.Module],
     parallelize: Callable[[torch.nn.Module], torch.nn.Module],
@@ -78,13 +91,7 @@ def measure_rank(
         if label == "planned" and order == "after":
             apply_plan(runner, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-        def step() -> None:
-            loss = loss_fn(runner(toks), toks)
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = _stepper(runner, opt, loss_fn, toks)
 
         loss = loss_fn(runner(toks), toks)
         loss.backward()
@@ -103,7 +110,7 @@ def measure_rank(
         # a few runs); the least of three steps is the schedule's own peak, which is what is predicted
         peak, where = min((recorded_peak(model, opt, toks, step) for _ in range(3)), key=lambda pw: pw[0])
         out[f"{label}_peak"], out[f"{label}_where"] = peak, where
-        del model, runner, opt
+        del model, runner, opt, step
     out["bitwise"] = all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["planned"]))
     out["grad_shapes"] = [list(g.shape) for g in grads["plain"]]
     out["seconds"] = time.perf_counter() - t0
