@@ -9,10 +9,7 @@ step's gradients are bitwise equal. Stage factories, inputs and loss must pickle
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -21,6 +18,7 @@ import torch
 from torch import nn
 
 from sacplan.errors import ConfigError, ValidationError
+from sacplan.gloo_ranks import join_gloo, report_and_exit, spawn_ranks
 from sacplan.stats import ModelStats
 
 __all__ = ["RankReport", "validate_pipeline"]
@@ -84,8 +82,6 @@ def validate_pipeline(
         ConfigError: the stats are not a pipeline's, or plans and ranks do not match.
         ValidationError: a rank failed (its traceback in the message).
     """
-    import torch.multiprocessing as mp
-
     infos = [dict(s.meta.get("pipeline") or {}) for s in stats]
     if not infos or not all(infos):
         raise ConfigError("validate_pipeline needs the stats collect_pipeline returned (one per rank)")
@@ -104,16 +100,7 @@ def validate_pipeline(
     job = dict(stage_fns=list(stage_fns), inputs=inputs, schedule=info["schedule"], microbatches=int(info["microbatches"]),
                plans=docs, loss_fn=loss_fn, target=target, seed=seed)
     with tempfile.TemporaryDirectory(prefix="sacplan-pp-") as tmp:
-        q = mp.get_context("spawn").SimpleQueue()
-        try:
-            mp.spawn(_worker, args=(ws, str(Path(tmp) / "rdzv"), job, q), nprocs=ws, join=True)
-        except Exception as e:  # a rank died without reporting: the others' reports still say why
-            died: BaseException | None = e
-        else:
-            died = None
-        results = []
-        while not q.empty():
-            results.append(q.get())
+        results, died = spawn_ranks(_worker, ws, Path(tmp) / "rdzv", job)
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if "error" in r]
     if errors or died is not None or len(results) != ws:
         raise ValidationError("pipeline validation failed:\n" + "\n".join(errors or [str(died)]))
@@ -137,28 +124,16 @@ def _plan_of(doc: tuple[str, dict], plan_cls: Any, pipeline_cls: Any) -> Any:
 
 def _worker(rank: int, ws: int, rdzv: str, job: dict, q: Any) -> None:
     """One rank: join the gloo group, measure without and with the plan, report on ``q``."""
-    import torch.distributed as dist
-
     from sacplan.pipeline.measure import measure_rank
     from sacplan.pipeline.plans import PipelinePlan
     from sacplan.plan import Plan
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=ws)
-        out: dict[str, Any] = {}
-        for name, plan in (("none", None), ("plan", _plan_of(job["plans"][rank], Plan, PipelinePlan))):
-            r = measure_rank(job["stage_fns"], job["inputs"], schedule=job["schedule"], microbatches=job["microbatches"],
-                             num_ranks=ws, plan=plan, loss_fn=job["loss_fn"], target=job["target"], seed=job["seed"])
-            out[name] = r
-        q.put(dict(rank=rank, **out))
-    except BaseException as e:  # reported to the parent
-        q.put(dict(rank=rank, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # the report is on the queue: leave without interpreter teardown, where gloo's threads sometimes abort the
-    # process after the work is done (see tests/distributed/_mp.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    def body() -> dict:
+        join_gloo(rank, ws, rdzv)
+        plan = _plan_of(job["plans"][rank], Plan, PipelinePlan)
+        return {name: measure_rank(job["stage_fns"], job["inputs"], schedule=job["schedule"],
+                                   microbatches=job["microbatches"], num_ranks=ws, plan=p, loss_fn=job["loss_fn"],
+                                   target=job["target"], seed=job["seed"])
+                for name, p in (("none", None), ("plan", plan))}
+
+    report_and_exit(rank, q, body)

@@ -1,47 +1,29 @@
 """Helpers for the multi-process tests: spawn gloo ranks rendezvousing on a FileStore, collect their reports.
 
-Rendezvous is ``init_method="file://<tmp_path>/rdzv"`` (a FileStore in the test's own temporary folder), so
-no TCP port is picked, released and possibly taken by another process before the ranks bind it.
+Rendezvous is a FileStore in the test's own temporary folder (:mod:`sacplan.gloo_ranks`, which these wrap with
+the tests' assertions).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+
+from sacplan.gloo_ranks import join_gloo, report_and_exit, spawn_ranks
 
 
 def init(rank: int, ws: int, rdzv: str) -> None:
     """Join the gloo group (one thread per rank, as the tests assume)."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=ws)
+    join_gloo(rank, ws, rdzv)
 
 
 def guarded(rank: int, q: Any, body: Callable[[], dict]) -> None:
     """Run ``body`` and put its report (or the full traceback) on ``q``; always leave the process group."""
-    import torch.distributed as dist
-
-    try:
-        q.put(dict(rank=rank, **body()))
-    except BaseException as e:  # reported to the parent, which fails the test with it
-        q.put(dict(rank=rank, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # The report is on the queue: leave without running interpreter teardown, where gloo's background threads
-    # sometimes end the process with "terminate called without an active exception" (SIGABRT) after the
-    # work is done (seen with and without sacplan's changes, about one run in four on 2 busy cores).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    report_and_exit(rank, q, body)
 
 
 def spawn(worker: Callable[..., None], ws: int, tmp_path: Path, *args: Any) -> list[dict]:
@@ -49,21 +31,7 @@ def spawn(worker: Callable[..., None], ws: int, tmp_path: Path, *args: Any) -> l
 
     Every rank's report is printed (pytest shows it on failure) before an error fails the test.
     """
-    import torch.multiprocessing as mp
-
-    rdzv = tmp_path / "rdzv"
-    if rdzv.exists():
-        rdzv.unlink()
-    q = mp.get_context("spawn").SimpleQueue()
-    join_error: BaseException | None = None
-    try:
-        mp.spawn(worker, args=(ws, str(rdzv), *args, q), nprocs=ws, join=True)
-    except Exception as e:  # a rank died without reporting (e.g. killed): the others' reports still print
-        join_error = e
-    out = []
-    while not q.empty():
-        out.append(q.get())
-    out.sort(key=lambda r: r["rank"])
+    out, join_error = spawn_ranks(worker, ws, tmp_path / "rdzv", *args)
     for r in out:
         figures = {k: v for k, v in r.items() if k not in ("rank", "error")}
         print(f"rank {r['rank']}: " + json.dumps(figures, default=str))
