@@ -136,19 +136,24 @@ def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int]
     ``apply`` saves in-place writes into outside tensors by itself (they are found at run time), but not the
     ops that read such a tensor before it is overwritten, so a full checkpoint of such a module must name them.
     """
-    if not any(-1 in op.tied_to for op in ops):
-        return None
-    keep = sorted(p for g in op_groups(ops, False, stop) if g.fixed == 1 for p in g.members)
-    return tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in keep)
+    return _saves(ops, op_groups(ops, False, stop), set()) if _has_forced_readers(ops) else None
 
 
 def named_saves(ops: Sequence[OpStat], stop: int, keys: Collection[tuple[str, int]]) -> tuple[tuple[int, str, int], ...]:
     """``(index, name, occurrence)`` of the ops a save list of ``(family, occurrence)`` keys saves: every group
-    with a named member, whole (a group saved in part is not safe), and the ops every save list keeps;
-    groups holding a view are never saved."""
+    with a named member, whole (a group saved in part is not safe), and :func:`forced_saves`; groups holding a
+    view are never saved."""
     named = op_keys(ops)
-    keep = {p for g in op_groups(ops, False, stop) if g.fixed is None and any(named[p] in keys for p in g.members)
-            for p in g.members}
-    out = {(ops[p].index, ops[p].name, ops[p].occurrence) for p in keep}
-    out.update(forced_saves(ops, stop) or ())
-    return tuple(sorted(out))
+    groups = op_groups(ops, False, stop)
+    keep = {p for g in groups if g.fixed is None and any(named[p] in keys for p in g.members) for p in g.members}
+    return _saves(ops, groups if _has_forced_readers(ops) else [], keep)
+
+
+def _has_forced_readers(ops: Sequence[OpStat]) -> bool:
+    return any(-1 in op.tied_to for op in ops)
+
+
+def _saves(ops: Sequence[OpStat], groups: Sequence[OpGroup], keep: set[int]) -> tuple[tuple[int, str, int], ...]:
+    """The keys of ``keep`` and of the always-saved groups among ``groups``, in op order."""
+    keep = keep | {p for g in groups if g.fixed == 1 for p in g.members}
+    return tuple((ops[p].index, ops[p].name, ops[p].occurrence) for p in sorted(keep))

@@ -62,18 +62,22 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...
     return tuple(result), min(stop, len(result))
 
 
-def _call_ties(recs: list[CallRecord], recorder: StepRecorder, writes: StorageWrites) -> list[tuple[int, ...]]:
-    """Per op of a module's calls, the ops it is tied to in any call running the same op sequence as the first
-    (one plan serves every call, so it must be safe for each; see :mod:`sacplan.collector.mutations`)."""
-    first = recs[0]
-    names = [o.func for o in recorder.ops[first.op_start : first.op_end]]
+def _call_ties(recs: list[CallRecord], recorder: StepRecorder, writes: StorageWrites) -> list[list[tuple[int, ...]]]:
+    """Per call of one module, the ties of its ops (:meth:`StorageWrites.ties`). Calls running the first call's op
+    sequence share the union of their ties: one plan serves every call, so it must be safe for each (see
+    :mod:`sacplan.collector.mutations`); a call running other ops keeps its own."""
+    def funcs(r: CallRecord) -> list:
+        return [o.func for o in recorder.ops[r.op_start : r.op_end]]
+
+    names = funcs(recs[0])
+    own = [writes.ties(r.op_start, r.op_end) for r in recs]
+    same = [k == 0 or funcs(r) == names for k, r in enumerate(recs)]
     merged: list[list[int]] = [[] for _ in names]
-    for r in recs:
-        if r is not first and [o.func for o in recorder.ops[r.op_start : r.op_end]] != names:
-            continue
-        for k, tied in enumerate(writes.ties(r.op_start, r.op_end)):
+    for ties in (t for t, s in zip(own, same) if s):
+        for k, tied in enumerate(ties):
             merged[k].extend(t for t in tied if t not in merged[k])
-    return [tuple(t) for t in merged]
+    shared = [tuple(t) for t in merged]
+    return [shared if s else t for t, s in zip(own, same)]
 
 
 def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer | None, spec: DeviceSpec) -> dict[str, tuple[int, int, int]]:
@@ -146,17 +150,16 @@ def build_stats(
     for fqn, recs in by_fqn.items():
         first = recs[0]
         ties = _call_ties(recs, recorder, writes)
-        ops, stop = _op_stats(first, recorder, ties)
+        ops, stop = _op_stats(first, recorder, ties[0])
         tradeoff = build_tradeoff(ops, first.act_kept, stop, max_lines)
         if any(writes.overwrites_arguments(r.arg_keys, r.op_start, r.op_end) for r in recs):
             tradeoff = None  # never a checkpoint region (sacplan.collector.mutations)
         discardable = []
-        for r in recs:
+        for r, r_ties in zip(recs, ties):
             if r is first:
                 discardable.append(tradeoff.max_discard_bytes if tradeoff is not None else 0)
             else:
-                same = r.op_end - r.op_start == len(ties)
-                o2, s2 = _op_stats(r, recorder, ties if same else writes.ties(r.op_start, r.op_end))
+                o2, s2 = _op_stats(r, recorder, r_ties)
                 t2 = build_tradeoff(o2, r.act_kept, s2, max_lines) if tradeoff is not None else None
                 discardable.append(t2.max_discard_bytes if t2 is not None else 0)
         pb, gb, ob, bb = static.get(fqn, (0, 0, 0, 0))
