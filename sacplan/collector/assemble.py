@@ -19,7 +19,7 @@ from sacplan.collector.tracker import StepRecorder
 from sacplan.devices import DeviceSpec
 from sacplan.errors import UnsupportedModelError
 from sacplan.fingerprint import input_shapes_of, model_fingerprint
-from sacplan.stats import CATEGORIES, MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, Phase
+from sacplan.stats import CATEGORIES, MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, Phase, TradeOff
 from sacplan.tradeoff import build_tradeoff
 
 
@@ -78,6 +78,24 @@ def _call_ties(recs: list[CallRecord], recorder: StepRecorder, writes: StorageWr
             merged[k].extend(t for t in tied if t not in merged[k])
     shared = [tuple(t) for t in merged]
     return [shared if s else t for t, s in zip(own, same)]
+
+
+def _trade_off(
+    recs: list[CallRecord], recorder: StepRecorder, writes: StorageWrites, max_lines: int
+) -> tuple[tuple[OpStat, ...], int, TradeOff | None, list[int]]:
+    """One module's first-call ops, recompute stop and trade-off (``None``: never a checkpoint region), and the
+    activation bytes each call can discard."""
+    ties = _call_ties(recs, recorder, writes)
+    ops, stop = _op_stats(recs[0], recorder, ties[0])
+    tradeoff = build_tradeoff(ops, recs[0].act_kept, stop, max_lines)
+    if any(writes.overwrites_arguments(r.arg_keys, r.op_start, r.op_end) for r in recs):
+        tradeoff = None  # never a checkpoint region (sacplan.collector.mutations)
+    discardable = [tradeoff.max_discard_bytes if tradeoff is not None else 0]
+    for r, r_ties in zip(recs[1:], ties[1:]):
+        o2, s2 = _op_stats(r, recorder, r_ties)
+        t2 = build_tradeoff(o2, r.act_kept, s2, max_lines) if tradeoff is not None else None
+        discardable.append(t2.max_discard_bytes if t2 is not None else 0)
+    return ops, stop, tradeoff, discardable
 
 
 def _static_bytes(model: nn.Module, opt: torch.optim.Optimizer | None, spec: DeviceSpec) -> dict[str, tuple[int, int, int]]:
@@ -149,19 +167,7 @@ def build_stats(
     modules = []
     for fqn, recs in by_fqn.items():
         first = recs[0]
-        ties = _call_ties(recs, recorder, writes)
-        ops, stop = _op_stats(first, recorder, ties[0])
-        tradeoff = build_tradeoff(ops, first.act_kept, stop, max_lines)
-        if any(writes.overwrites_arguments(r.arg_keys, r.op_start, r.op_end) for r in recs):
-            tradeoff = None  # never a checkpoint region (sacplan.collector.mutations)
-        discardable = []
-        for r, r_ties in zip(recs, ties):
-            if r is first:
-                discardable.append(tradeoff.max_discard_bytes if tradeoff is not None else 0)
-            else:
-                o2, s2 = _op_stats(r, recorder, r_ties)
-                t2 = build_tradeoff(o2, r.act_kept, s2, max_lines) if tradeoff is not None else None
-                discardable.append(t2.max_discard_bytes if t2 is not None else 0)
+        ops, stop, tradeoff, discardable = _trade_off(recs, recorder, writes, max_lines)
         pb, gb, ob, bb = static.get(fqn, (0, 0, 0, 0))
         snaps = []
         for r in recs:

@@ -154,26 +154,29 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         else:
             self.fw_ms += ms
             self.fw_flops += flops
-            g = len(self.ops)
-            is_random = torch.Tag.nondeterministic_seeded in func.tags
-            if func._overloadpacket in _ATTENTION_PACKETS:
-                # SDPA kernels carry the seeded tag; they are random only when called with dropout.
-                is_random = self.next_sdpa_random or _dropout_arg(func, args, kwargs) > 0
-                self.next_sdpa_random = False
-            parent = None
-            if is_inplace:
-                for sid in out_sids:
-                    if sid in self.sid_creator:
-                        parent = self.sid_creator[sid]
-                        break
-            for sid in out_sids:
-                self.sid_creator.setdefault(sid, g)
+            is_random, parent = self._random_and_parent(func, args, kwargs, is_inplace, out_sids)
             self.ops.append(OpRecord(func, new_bytes, out_keys, ms, flops, is_view, is_inplace, is_random, parent, tuple(out_new),
                                      self.total + ws, reads, writes))
             for rec in self.fw_stack:
                 rec.fw_ms += ms
                 rec.fw_flops += flops
         return out
+
+    def _random_and_parent(self, func: Any, args: tuple, kwargs: dict, is_inplace: bool, out_sids: list[int]) -> tuple[bool, int | None]:
+        """Whether the next forward op draws random numbers, and for an in-place op the index of the op that made
+        the storage it writes; records it as the maker of its new storages."""
+        g = len(self.ops)
+        is_random = torch.Tag.nondeterministic_seeded in func.tags
+        if func._overloadpacket in _ATTENTION_PACKETS:
+            # SDPA kernels carry the seeded tag; they are random only when called with dropout.
+            is_random = self.next_sdpa_random or _dropout_arg(func, args, kwargs) > 0
+            self.next_sdpa_random = False
+        parent = None
+        if is_inplace:
+            parent = next((self.sid_creator[sid] for sid in out_sids if sid in self.sid_creator), None)
+        for sid in out_sids:
+            self.sid_creator.setdefault(sid, g)
+        return is_random, parent
 
     # ------------------------------------------------------------------ autograd pack hook --------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
