@@ -278,6 +278,24 @@ def _timed(step: Callable[[], None], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _checked_arguments(model_fn: Any, plan: Any, device: str | torch.device | None, compile: Any) -> torch.device:
+    """The device :func:`validate` runs on, after a ConfigError for each argument it cannot use."""
+    if isinstance(model_fn, nn.Module) or not callable(model_fn):
+        raise ConfigError(
+            f"validate builds the model twice (with and without the plan), so model_fn must be a factory such as "
+            f"lambda: MyModel(config), got {type(model_fn).__name__}"
+        )
+    if not hasattr(plan, "decisions"):
+        raise ConfigError(f"validate needs the Plan to check, got {type(plan).__name__}; load a file with sacplan.load_plan")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"validate supports cpu and cuda devices, not {dev.type!r}")
+    compile_choice(compile, ("any",))  # a bad value fails before the fake step
+    return dev
+
+
 def validate(
     model_fn: Callable[[], nn.Module],
     inputs_fn: Callable[[], Any],
@@ -325,19 +343,7 @@ def validate(
         PlanMismatchError: the plan was made for another model (checked after the fake step, before any
             real one).
     """
-    if isinstance(model_fn, nn.Module) or not callable(model_fn):
-        raise ConfigError(
-            f"validate builds the model twice (with and without the plan), so model_fn must be a factory such as "
-            f"lambda: MyModel(config), got {type(model_fn).__name__}"
-        )
-    if not hasattr(plan, "decisions"):
-        raise ConfigError(f"validate needs the Plan to check, got {type(plan).__name__}; load a file with sacplan.load_plan")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("validate(device='cuda') needs a CUDA device; use device='cpu' on this host")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"validate supports cpu and cuda devices, not {dev.type!r}")
-    compile_choice(compile, ("any",))  # a bad value fails before the fake step
+    dev = _checked_arguments(model_fn, plan, device, compile)
     loss = as_loss(loss_fn) if loss_fn is not None else default_loss
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
