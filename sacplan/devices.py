@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -44,6 +45,14 @@ class DeviceSpec:
             every SDPA call to a fused kernel on the host too; ``"math"``: keep the host's own SDPA kernel
             choice (right when the host *is* the target, e.g. validating on CPU, where dropout falls back to
             the math path that saves s×s probabilities).
+        runtime_workspace_bytes: bytes the CUDA libraries keep allocated through PyTorch's caching allocator
+            for the whole step (they count in ``torch.cuda.max_memory_allocated``): one cuBLAS workspace per
+            thread that runs a matmul, the forward's thread and autograd's device thread (2 × 32 MiB on Hopper
+            and later, 2 × 8 MiB + 128 KiB before: PyTorch's defaults). Collection counts them as ``other``
+            bytes live through the step; 0 for a host CPU.
+        sm_count, max_threads_per_sm: streaming multiprocessors and resident threads per SM, which set the
+            staging buffers of PyTorch's CUDA reductions (:mod:`sacplan.collector.reductions`); ``sm_count`` 0
+            leaves them unmodelled (host CPU, ROCm).
         source: where the figures come from.
     """
 
@@ -56,6 +65,9 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     kernel_overhead_ms: float = 0.004
     attention: str = "flash"
+    runtime_workspace_bytes: int = 0
+    sm_count: int = 0
+    max_threads_per_sm: int = 2048
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -69,6 +81,10 @@ class DeviceSpec:
             raise ConfigError(f"DeviceSpec {self.name!r}: alloc_round_bytes must be >= 1")
         if not (0 < self.compute_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
             raise ConfigError(f"DeviceSpec {self.name!r}: efficiencies must lie in (0, 1]")
+        if self.sm_count < 0 or self.max_threads_per_sm < 1:
+            raise ConfigError(f"DeviceSpec {self.name!r}: sm_count must be >= 0 and max_threads_per_sm >= 1")
+        if self.runtime_workspace_bytes < 0:
+            raise ConfigError(f"DeviceSpec {self.name!r}: runtime_workspace_bytes must be >= 0")
         if self.attention not in ("flash", "math"):
             raise ConfigError(f"DeviceSpec {self.name!r}: attention must be 'flash' or 'math'")
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
@@ -190,9 +206,13 @@ def _gpu(
     fp32: float,
     fp16: float | None = None,
     fp8: float | None = None,
+    large_workspace: bool = False,
+    sms: int = 0,
+    threads_per_sm: int = 2048,
     source: str,
 ) -> DeviceSpec:
-    """Table helper: throughputs in TFLOPS, memory in MiB (as reported), bandwidth in bytes/s."""
+    """Table helper: throughputs in TFLOPS, memory in MiB (as reported), bandwidth in bytes/s; ``large_workspace``:
+    compute capability 9.0 or later, PyTorch's larger cuBLAS workspace (:func:`cublas_workspaces`)."""
     flops = {"fp32": fp32 * TFLOPS, "tf32": tf32 * TFLOPS, "bf16": bf16 * TFLOPS, "fp16": (fp16 or bf16) * TFLOPS}
     if fp8 is not None:
         flops["fp8"] = fp8 * TFLOPS
@@ -203,8 +223,32 @@ def _gpu(
         hbm_bandwidth=bandwidth,
         alloc_round_bytes=512,
         attention="flash",
+        runtime_workspace_bytes=cublas_workspaces(large_workspace),
+        sm_count=sms,
+        max_threads_per_sm=threads_per_sm,
         source=source,
     )
+
+
+def cublas_workspaces(large: bool) -> int:
+    """Bytes of the cuBLAS workspaces a training step keeps allocated (PyTorch's defaults).
+
+    PyTorch gives each (cuBLAS handle, stream) one workspace from its caching allocator, and handles are per
+    thread: the forward (and the optimizer) run on the caller's thread, the backward on autograd's device
+    thread, so a step holds two. Each is 32 MiB on compute capability 9.0 and later and 8 MiB + 128 KiB
+    (``CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8``) before, unless ``CUBLAS_WORKSPACE_CONFIG`` says otherwise on
+    this host. Measured on an H200 (torch 2.11): 32 MiB after the first matmul, 64.9 MiB beyond the tensors
+    through a step (benchmarks/RESULTS.md, "Real CUDA").
+    """
+    return 2 * _workspace_config_bytes(os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), large)
+
+
+def _workspace_config_bytes(config: str, large: bool) -> int:
+    """One workspace's bytes for a ``CUBLAS_WORKSPACE_CONFIG`` value (``:SIZE_KiB:COUNT`` pairs), else the default."""
+    parts = [p for p in config.split(":") if p]
+    if parts and len(parts) % 2 == 0 and all(p.isdigit() for p in parts):
+        return sum(int(parts[i]) * 1024 * int(parts[i + 1]) for i in range(0, len(parts), 2))
+    return 32 * MiB if large else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -212,43 +256,43 @@ DEVICES: dict[str, DeviceSpec] = {
     # dense figures from the NVIDIA H100 Tensor Core GPU Architecture whitepaper (GH100, SXM5, 132 SMs).
     # torch reports total_memory=81090MB (79.19 GiB) on "NVIDIA H100 80GB HBM3".
     "H100-SXM": _gpu(
-        "H100-SXM", 81_090, 3.35e12, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9,
+        "H100-SXM", 81_090, 3.35e12, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9, large_workspace=True, sms=132,
         source="NVIDIA H100 datasheet/whitepaper, SXM5 80GB HBM3, dense",
     ),
     # Same datasheet, PCIe column (114 SMs, HBM2e). torch reports total_memory=81008MB on "NVIDIA H100 PCIe".
     "H100-PCIe": _gpu(
-        "H100-PCIe", 81_008, 2.0e12, bf16=756.0, tf32=378.0, fp32=51.0, fp8=1513.0,
+        "H100-PCIe", 81_008, 2.0e12, bf16=756.0, tf32=378.0, fp32=51.0, fp8=1513.0, large_workspace=True, sms=114,
         source="NVIDIA H100 datasheet/whitepaper, PCIe 80GB HBM2e, dense",
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM column), https://www.nvidia.com/en-us/data-center/h200/ :
     # same GH100 compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s. torch reports total_memory=143156MB.
     "H200": _gpu(
-        "H200", 143_156, 4.8e12, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9,
+        "H200", 143_156, 4.8e12, bf16=989.4, tf32=494.7, fp32=66.9, fp8=1978.9, large_workspace=True, sms=132,
         source="NVIDIA H200 datasheet, SXM 141GB HBM3e, dense",
     ),
     # NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/a100/ (SXM4 40GB:
     # 1,555 GB/s). A100 has no FP8. "NVIDIA A100-SXM4-40GB" reported 42,298,834,944 bytes
     # (40339 MiB, rounded down here) under CUDA 12.2; older drivers report up to 40536 MiB.
     "A100-40GB": _gpu(
-        "A100-40GB", 40_339, 1.555e12, bf16=312.0, tf32=156.0, fp32=19.5,
+        "A100-40GB", 40_339, 1.555e12, bf16=312.0, tf32=156.0, fp32=19.5, sms=108,
         source="NVIDIA A100 datasheet, SXM4 40GB HBM2, dense",
     ),
     # Same datasheet, SXM4 80GB HBM2e column: 2,039 GB/s. "NVIDIA A100-SXM4-80GB" reports ~81251 MiB.
     "A100-80GB": _gpu(
-        "A100-80GB", 81_251, 2.039e12, bf16=312.0, tf32=156.0, fp32=19.5,
+        "A100-80GB", 81_251, 2.039e12, bf16=312.0, tf32=156.0, fp32=19.5, sms=108,
         source="NVIDIA A100 datasheet, SXM4 80GB HBM2e, dense",
     ),
     # NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/ (the datasheet
     # prints sparse figures 242/485/120; dense is half). 24 GB GDDR6 at 300 GB/s; ~22478 MiB usable.
     "L4": _gpu(
-        "L4", 22_478, 300e9, bf16=121.0, tf32=60.0, fp32=30.3, fp8=242.5,
+        "L4", 22_478, 300e9, bf16=121.0, tf32=60.0, fp32=30.3, fp8=242.5, sms=58, threads_per_sm=1536,
         source="NVIDIA L4 datasheet, dense",
     ),
     # AWS's A10G is a variant of the NVIDIA A10 with no public NVIDIA datasheet; these are the NVIDIA A10
     # datasheet figures (https://www.nvidia.com/en-us/data-center/products/a10-gpu/): FP32 31.2 TF,
     # TF32 62.5 TF, BF16/FP16 125 TF dense, 24 GB GDDR6 at 600 GB/s. "NVIDIA A10G" reports 22587 MiB.
     "A10G": _gpu(
-        "A10G", 22_587, 600e9, bf16=125.0, tf32=62.5, fp32=31.2,
+        "A10G", 22_587, 600e9, bf16=125.0, tf32=62.5, fp32=31.2, sms=80, threads_per_sm=1536,
         source="NVIDIA A10 datasheet (A10G is AWS's variant of the A10; A10 figures used), dense",
     ),
     # NVIDIA Ada Lovelace GPU Architecture whitepaper, GeForce RTX 4090 column: 1,008 GB/s GDDR6X,
@@ -256,14 +300,15 @@ DEVICES: dict[str, DeviceSpec] = {
     # accumulate, which PyTorch matmuls do not use), FP8 330.3 TF dense with FP32 accumulate.
     # torch reports total_memory=24563MB.
     "RTX-4090": _gpu(
-        "RTX-4090", 24_563, 1008e9, bf16=165.2, tf32=82.6, fp32=82.6, fp8=330.3,
+        "RTX-4090", 24_563, 1008e9, bf16=165.2, tf32=82.6, fp32=82.6, fp8=330.3, sms=128, threads_per_sm=1536,
         source="NVIDIA Ada Lovelace whitepaper, GeForce RTX 4090, dense, FP32 accumulate",
     ),
     # AMD Instinct MI300X data sheet, https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html :
     # 192 GB HBM3 at 5.3 TB/s, FP16/BF16 1307.4 TF, TF32 653.7 TF, FP32 (matrix) 163.4 TF, FP8 2614.9 TF,
-    # all dense. torch (ROCm) reports total_memory=196592MB.
+    # all dense. torch (ROCm) reports total_memory=196592MB. Its hipBLASLt workspace is taken as Hopper's (not
+    # measured here).
     "MI300X": _gpu(
-        "MI300X", 196_592, 5.3e12, bf16=1307.4, tf32=653.7, fp32=163.4, fp8=2614.9,
+        "MI300X", 196_592, 5.3e12, bf16=1307.4, tf32=653.7, fp32=163.4, fp8=2614.9, large_workspace=True,
         source="AMD Instinct MI300X data sheet, dense",
     ),
     # Exact host sizes (no allocator rounding); nominal throughput. Its spec name stays "CPU".
@@ -468,6 +513,9 @@ def _guess_spec(props: Any) -> DeviceSpec:
         compute_efficiency=0.6,
         memory_efficiency=0.7,
         attention="flash",
+        runtime_workspace_bytes=cublas_workspaces(cc >= (9, 0)),
+        sm_count=sms,
+        max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 0) or 2048),
         source=(
             f"guessed from torch.cuda.get_device_properties ({sms} SMs, sm_{cc[0]}{cc[1]}, {clock_khz / 1e6:.2f} GHz, "
             f"{bus_bits}-bit bus at {mem_clock_khz / 1e6:.2f} GHz); define a DeviceSpec for exact figures"

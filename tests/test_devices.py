@@ -341,3 +341,42 @@ def test_replace_and_validation():
 def test_ambiguous_names_list_the_devices_instead_of_guessing(name):
     with pytest.raises(UnknownDeviceError, match=r"ambiguous: name one of a100-40gb \(39\.\d GiB\) or a100-80gb \(79\.\d GiB\)"):
         get_device(name)
+
+
+# ------------------------------------------------------------------ CUDA runtime workspaces
+def test_cublas_workspaces_by_architecture(monkeypatch):
+    from sacplan.devices import DEVICES, cublas_workspaces
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    # two threads run matmuls in a step (the forward's and autograd's), each with PyTorch's default workspace:
+    # 32 MiB from compute capability 9.0 (measured on an H200: 32 MiB after the first matmul, 64.9 MiB in a step)
+    assert cublas_workspaces(True) == 2 * 32 * 2**20
+    assert cublas_workspaces(False) == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)  # ":4096:2:16:8"
+    assert DEVICES["H100-SXM"].runtime_workspace_bytes == 2 * 32 * 2**20
+    assert DEVICES["A100-80GB"].runtime_workspace_bytes == 2 * (8 * 2**20 + 128 * 1024)
+    assert DEVICES["cpu"].runtime_workspace_bytes == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the deterministic-algorithms setting
+    assert cublas_workspaces(False) == 2 * 4096 * 1024 * 8
+
+
+def test_collect_counts_the_workspaces_through_the_step():
+    from sacplan.collector import collect
+    from sacplan.devices import get_device
+    from sacplan.models import get_model
+
+    p = get_model("llama-tiny")
+    h100 = get_device("h100")
+    with_ws = collect(p.build, p.example_inputs(2, 16), device=h100, loss_fn=p.loss_fn)
+    without = collect(p.build, p.example_inputs(2, 16), device=h100.replace(runtime_workspace_bytes=0), loss_fn=p.loss_fn)
+    assert with_ws.peak_bytes - without.peak_bytes == 64 * 2**20
+    assert with_ws.peak_snapshot.other - without.peak_snapshot.other == 64 * 2**20
+
+
+def test_bad_runtime_figures_are_refused():
+    from sacplan.devices import get_device
+    from sacplan.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="runtime_workspace_bytes"):
+        get_device("h100").replace(runtime_workspace_bytes=-1)
+    with pytest.raises(ConfigError, match="sm_count"):
+        get_device("h100").replace(sm_count=-1)

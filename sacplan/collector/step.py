@@ -25,7 +25,7 @@ from sacplan.collector.flex import flex_attention_routed
 from sacplan.collector.hints import failure_hint
 from sacplan.collector.kernels import cuda_host_kernels, host_state_tensors
 from sacplan.collector.realvalues import HostFastPaths, RealValueMode
-from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
+from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, OTHER, PARAM
 from sacplan.collector.runtime import RuntimeModel
 from sacplan.collector.tracker import StepRecorder
 from sacplan.devices import DeviceSpec
@@ -101,6 +101,10 @@ def run_step(
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)
+            # the CUDA libraries' workspaces, live through the whole step (DeviceSpec.runtime_workspace_bytes)
+            workspaces = torch.empty(spec.runtime_workspace_bytes, dtype=torch.uint8)
+            if spec.runtime_workspace_bytes:
+                recorder.register(workspaces, OTHER)
             say("warm-up step (creates optimizer state)")
             if train_step is not None:
                 step()

@@ -21,6 +21,8 @@ Hand derivation (bytes; "r512" = rounded up to a multiple of 512 as PyTorch's CU
   temporary per parameter while params, grads and states are all live: peak = P + G + O + I + P.
 * backward: at Linear 0's backward the grads of W2, b2, W0, b0 (= G) and grad_h1 (8192) are live, plus the
   loss scalar and its seed gradient (4 bytes each, r512 -> 512 each).
+* H100 only: the two cuBLAS workspaces (forward thread, autograd's device thread), 2 x 32 MiB = W, live
+  through the whole step as ``other`` bytes (measured on an H200: sacplan.devices.cublas_workspaces).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ CPU_STATE = {"": (49792, 49792, 99600), "0": (33280, 33280, 66568), "1": (0, 0, 
 H100_STATE = {"": (50176, 50176, 100352), "0": (33280, 33280, 66560), "1": (0, 0, 0), "2": (16896, 16896, 33792)}
 
 X, H1, RELU, Y = 4096, 8192, 8192, 2048
+#: the runtime workspaces (W) each fixture's target holds through the step
+W = {"mlp_cpu": 0, "mlp_cpu_no_opt": 0, "mlp_h100": 64 * 2**20, "mlp_h100_no_opt": 64 * 2**20}
 
 
 def test_round_alloc_is_the_512_byte_rule():
@@ -111,10 +115,11 @@ def test_input_output_bytes(request, which):
 def test_step_peak_is_the_optimizer_sqrt_temporaries(request, which, state):
     stats = request.getfixturevalue(which)
     P, G, O = state[""]
-    assert stats.peak_bytes == P + G + O + X + P
+    assert stats.peak_bytes == P + G + O + X + P + W[which]
     assert stats.peak_phase == "other"
     snap = stats.peak_snapshot
     assert (snap.param, snap.grad, snap.optimizer, snap.input, snap.temp, snap.activation) == (P, G, O, X, P, 0)
+    assert snap.other == W[which]
     assert snap.total == stats.peak_bytes
     assert max(e.peak_bytes for e in stats.events) == stats.peak_bytes
 
@@ -128,15 +133,15 @@ def test_backward_peak_event(request, which, state, scalar):
     assert [e.bw_done for e in bw] == sorted({e.bw_done for e in bw})
     bw = [max(bw, key=lambda e: e.peak_bytes)]
     # all gradients + grad_h1 + loss and its seed gradient, on top of params, optimizer state and x
-    assert bw[0].peak_bytes == P + O + X + G + H1 + 2 * scalar
+    assert bw[0].peak_bytes == P + O + X + G + H1 + 2 * scalar + W[which]
     # At that instant W0's and b0's gradients are still backward temporaries (AccumulateGrad has not adopted
     # them yet; under FSDP they are unsharded then), so only Linear 2's gradients count as state.
     assert bw[0].state_bytes == P + O + state["2"][1]
-    assert bw[0].state_bytes + state["0"][1] + H1 + 2 * scalar + X == bw[0].peak_bytes
+    assert bw[0].state_bytes + state["0"][1] + H1 + 2 * scalar + X + W[which] == bw[0].peak_bytes
     # the first forward event: params, state, x and h1 (made by Linear 0)
     first = stats.events[0]
     assert (first.phase, first.module, first.fw_done) == ("fw", "0", 0)
-    assert first.peak_bytes == P + O + X + H1
+    assert first.peak_bytes == P + O + X + H1 + W[which]
 
 
 @pytest.mark.parametrize("which, state, scalar", [("mlp_cpu_no_opt", CPU_STATE, 4), ("mlp_h100_no_opt", H100_STATE, 512)])
@@ -144,7 +149,7 @@ def test_peak_without_optimizer_is_in_backward(request, which, state, scalar):
     stats = request.getfixturevalue(which)
     P, G, _ = state[""]
     assert stats.optimizer_bytes == 0 and stats.module("0").optimizer_bytes == 0
-    assert stats.peak_bytes == P + X + G + H1 + 2 * scalar
+    assert stats.peak_bytes == P + X + G + H1 + 2 * scalar + W[which]
     assert (stats.peak_phase, stats.peak_module) == ("bw", "0")
     assert stats.optimizer_ms == 0.0
 
