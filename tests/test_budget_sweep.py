@@ -49,7 +49,7 @@ def test_default_budgets_monotone(llama):
 
 
 def test_explicit_budgets_with_infeasible(llama):
-    r = sweep(llama, ["1MiB", "1.8MiB", 2 * 2**20])
+    r = sweep(llama, ["65MiB", "65.8MiB", 66 * 2**20])
     assert [row.status for row in r.rows][0] == "infeasible"
     assert math.isnan(r.rows[0].recompute_ms) and not r.rows[0].feasible
     assert all(row.feasible for row in r.rows[1:])

@@ -39,7 +39,7 @@ def test_plan_with_a_raising_factory(raising_factory, capsys):
 
 def test_validate_with_a_raising_factory(raising_factory, tmp_path, capsys):
     plan = tmp_path / "p.json"
-    assert main(["plan", *TINY, "--budget", "1.75MiB", "-o", str(plan)]) == 0
+    assert main(["plan", *TINY, "--budget", "65.75MiB", "-o", str(plan)]) == 0
     capsys.readouterr()
     assert main(["validate", raising_factory, "--plan", str(plan)]) == 2
     assert "factory raised RuntimeError" in _err_line(capsys)
@@ -68,7 +68,7 @@ def test_output_into_a_read_only_folder_or_under_a_file(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     dest = blocker / "plan.json"
-    assert main(["plan", *TINY, "--budget", "1.75MiB", "-o", str(dest)]) == 2
+    assert main(["plan", *TINY, "--budget", "65.75MiB", "-o", str(dest)]) == 2
     line = _err_line(capsys)
     assert str(dest) in line and ".tmp" not in line
     if os.geteuid() != 0:  # root writes anywhere
@@ -76,7 +76,7 @@ def test_output_into_a_read_only_folder_or_under_a_file(tmp_path, capsys):
         ro.mkdir()
         ro.chmod(0o500)
         try:
-            assert main(["plan", *TINY, "--budget", "1.75MiB", "-o", str(ro / "plan.json")]) == 2
+            assert main(["plan", *TINY, "--budget", "65.75MiB", "-o", str(ro / "plan.json")]) == 2
             line = _err_line(capsys)
             assert str(ro / "plan.json") in line and ".tmp" not in line and "writable" in line
         finally:

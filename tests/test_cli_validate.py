@@ -55,7 +55,7 @@ def proj(tmp_path, monkeypatch):
 
 def _plan(capsys, model: str, path: str) -> None:
     # a budget between the minimum feasible and the no-AC peak, so the plan checkpoints something
-    assert main(["plan", model, "--device", "h100", "--budget", "3.5MiB", "-q", "-o", path]) == 0, capsys.readouterr().err
+    assert main(["plan", model, "--device", "h100", "--budget", "67.5MiB", "-q", "-o", path]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "plan written to" in out
 

@@ -29,14 +29,14 @@ def _saved(fig, path):
 def test_memory_timeline(tree, tmp_path):
     from sacplan.solver import solve
 
-    plan = solve(tree, "1.75MiB")
+    plan = solve(tree, "65.75MiB")
     p = tmp_path / "timeline.png"
     fig = plot_memory_timeline(tree, plan, path=p)
     _saved(fig, p)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert any("with plan" in s for s in labels) and any("budget" in s for s in labels)
     assert "forward" in labels and "backward" in labels
-    fig2 = plot_memory_timeline(tree, budget="1.5MiB")
+    fig2 = plot_memory_timeline(tree, budget="65.5MiB")
     assert len(fig2.axes[0].lines) == 2  # no-AC curve + budget line
 
 

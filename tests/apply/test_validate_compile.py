@@ -45,7 +45,7 @@ def test_cli_compile_reaches_validate(flag, value, tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(sacplan.validation, "validate", fake_validate)
     plan = tmp_path / "p.json"
-    assert main(["plan", "llama-tiny", "-q", "--budget", "1.75MiB", "-o", str(plan)]) == 0
+    assert main(["plan", "llama-tiny", "-q", "--budget", "65.75MiB", "-o", str(plan)]) == 0
     assert main(["validate", "llama-tiny", "--plan", str(plan), "-q", *flag]) == 1
     assert seen["compile"] == value
 
@@ -87,7 +87,7 @@ def test_cli_validate_compile(tmp_path, monkeypatch, capsys):
         "    m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)])\n"
         "    return dict(model=m, inputs=(torch.randn(256, 64, generator=g),))\n"
     )
-    assert main(["plan", "m.py:build", "-q", "--budget", "2.6MiB", "-o", "p.json"]) == 0
+    assert main(["plan", "m.py:build", "-q", "--budget", "66.6MiB", "-o", "p.json"]) == 0
     capsys.readouterr()
     assert main(["validate", "m.py:build", "--plan", "p.json", "-q", "--compile"]) == 0
     out = capsys.readouterr().out
