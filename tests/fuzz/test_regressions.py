@@ -165,10 +165,15 @@ def test_rmsnorm_then_inplace_saved_mutations_peak() -> None:
     h += x; h.mul_(scale)`` (``scale`` a buffer), the whole ``body`` checkpointed saving ``mean``, ``add_.Scalar``,
     ``rsqrt``, ``addmm``, ``add_.Tensor``, ``mul_.Tensor`` (the last three write one storage). Measured peak
     375.45 KiB against 343.95 KiB predicted (+32,256 B, about one 2x64x64 fp32 activation); sacplan's own tracker
-    on the real tensors sees 370.51 KiB, so the bytes are real tensors at the dispatcher — presumably the
-    selective region's cache holding more for saved ops that write one storage than the prediction counts. Gradients and FLOPs are exact. Not root-caused: sacplan/opgroups.py /
-    sacplan/evaluate.py ``module_outcome`` (saved bytes of in-place groups) against what
-    ``torch.utils.checkpoint``'s cache keeps for them."""
+    on the real tensors sees 370.51 KiB, so the bytes are real tensors at the dispatcher. Gradients and FLOPs are
+    exact. Root cause (per-op log of the tracker on the planned and unplanned real steps, 2026-11-26): the saved
+    ``addmm`` makes ``body``'s *output* ``h`` (``save_cost_bytes`` 0: an output is live anyway). Unplanned, ``h``
+    dies when the head's backward has used it; planned, the selective region's cache still holds it through
+    ``body``'s recomputation and backward, where the peak is (at ``mul_``'s backward: ``h`` + the two recomputed
+    RMSNorm tensors + the in-place-on-view backward's ``new_zeros`` / ``clone`` temporaries). The fix is an
+    option-dependent term: a save list that holds the call's output op adds its bytes at the events between the
+    output's death in the unplanned step (a storage-free position the collector can record) and the call's
+    backward end; the MILP rows need it per option, which is why it was not patched in."""
     spec = ModelSpec(layers=(Layer("norm", option=1), Layer("inplace", option=1)), dim=64, seq=64, vocab=128, loss="mean")
     assert_exact(spec, 0.2)
 
