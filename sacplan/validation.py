@@ -379,12 +379,9 @@ def validate(
     dev = _checked_arguments(model_fn, plan, device, compile)
     loss = as_loss(loss_fn) if loss_fn is not None else default_loss
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
-    spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
-
     torch.manual_seed(seed)
     raw_inputs = as_inputs(inputs_fn() if callable(inputs_fn) else inputs_fn)
 
-    # Prediction for this host.
     def build() -> nn.Module:
         torch.manual_seed(seed)
         m = model_fn()
@@ -392,6 +389,48 @@ def validate(
 
     say = progress or (lambda _s: None)
     say(f"predicting for this host ({dev.type}): one fake step")
+    host = _host_prediction(build, raw_inputs, plan, dev, opt_factory, loss, check_fingerprint, compile)
+    real = _RealSteps(build, raw_inputs, dev, loss, opt_factory, seed, timed_steps, host.how, host.blocks, say)
+    base, g0 = real.run(None, check_fingerprint)
+    planned, g1 = real.run(plan, check_fingerprint)
+    bitwise, max_diff, close = _grad_comparison(g0, g1, grad_rtol, grad_atol, real.noise)
+    pred, stats = host.prediction, host.stats
+    return ValidationReport(
+        host=str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        method=base.method,
+        baseline=base,
+        planned=planned,
+        predicted_baseline_peak_bytes=pred.baseline_peak_bytes,
+        predicted_peak_bytes=pred.peak_bytes,
+        predicted_recompute_flops=pred.recompute_flops,
+        predicted_recompute_ms=pred.recompute_ms,
+        plan_predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
+        grads_bitwise_equal=bitwise,
+        max_grad_abs_diff=max_diff,
+        grads_match=close,
+        grads_compared=host.how is None or not any(op.is_random for m in stats.modules for op in m.ops),
+        plan_device_name=str(getattr(plan, "device_name", "") or ""),
+        timed_steps=max(1, timed_steps),
+        compiled=real.compiled[0] if real.compiled else "",
+        predicted_baseline_step_ms=None if dev.type == "cpu" else stats.step_ms,
+        kernel_noise=real.noise[0] if real.noise else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class _HostPrediction:
+    """What :func:`validate` predicts for this host: its stats, the plan's evaluation on them, compile choice."""
+
+    stats: Any
+    prediction: Any
+    blocks: Any
+    how: str | None
+
+
+def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: Any, dev: torch.device, opt_factory: Any,
+                     loss: Callable[..., torch.Tensor], check_fingerprint: bool, compile: Any) -> _HostPrediction:
+    """One fake step for this host's spec and the plan's choices evaluated on it (PlanMismatchError first)."""
+    spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
     stats = collect(build, raw_inputs, device=spec, optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
     plan_fp = getattr(plan, "fingerprint", None)
     if check_fingerprint and plan_fp and plan_fp != stats.fingerprint:
@@ -407,34 +446,51 @@ def validate(
     missing = [f for f in choices if f not in tree]
     if missing:
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
-    pred = predict(tree, choices)
+    return _HostPrediction(stats, predict(tree, choices), blocks, how)
 
-    def run(with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
-        say(f"real steps {'with' if with_plan else 'without'} the plan: warm-up, measured peak, {timed_steps} timed")
+
+class _RealSteps:
+    """The real steps of :func:`validate` on ``dev``: a fresh model per run, the first step's gradients (kept on
+    the host), then the measured, timed and FLOP-counted steps."""
+
+    def __init__(self, build: Callable[[], nn.Module], raw_inputs: Inputs, dev: torch.device,
+                 loss: Callable[..., torch.Tensor], opt_factory: Any, seed: int, timed_steps: int, how: str | None,
+                 blocks: Any, say: Callable[[str], None]) -> None:
+        self.build, self.raw_inputs, self.dev, self.loss = build, raw_inputs, dev, loss
+        self.opt_factory, self.seed, self.timed_steps = opt_factory, seed, timed_steps
+        self.how, self.blocks, self.say = how, blocks, say
+        self.compiled: list[str] = []
+        self.noise: list[float] = []  # CUDA: the baseline's own run-to-run gradient difference
+
+    def run(self, plan: Any, check_fingerprint: bool) -> tuple[Measurement, list[torch.Tensor | None]]:
+        """Measurement and first-step gradients without (``plan`` None) or with ``plan``."""
+        self.say(f"real steps {'with' if plan is not None else 'without'} the plan: warm-up, measured peak, "
+                 f"{self.timed_steps} timed")
         gc.collect()  # the other run's model may sit in reference cycles: its memory would count in this peak
-        model = build().to(dev)
+        model = self.build().to(self.dev)
         model.train()
-        if with_plan:
+        if plan is not None:
             apply_plan(model, plan, check_fingerprint=check_fingerprint)  # turns a Hugging Face training cache off
-            if how is not None:  # after the plan, as torchtitan orders them
-                compiled.append(compile_model(model, how, blocks))
-            return steps(model, True)
+            if self.how is not None:  # after the plan, as torchtitan orders them
+                self.compiled.append(compile_model(model, self.how, self.blocks))
+            return self.steps(model, True)
         with training_without_cache(model):  # as collect records the step and the planned step runs
-            if how is not None:
-                compiled.append(compile_model(model, how, blocks))
-            return steps(model, False)
+            if self.how is not None:
+                self.compiled.append(compile_model(model, self.how, self.blocks))
+            return self.steps(model, False)
 
-    def steps(model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor]]:
-        args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, raw_inputs)
-        opt = opt_factory([p for p in model.parameters() if p.requires_grad]) if opt_factory else None
+    def steps(self, model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor | None]]:
+        dev, loss, seed = self.dev, self.loss, self.seed
+        args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, self.raw_inputs)
+        opt = self.opt_factory([p for p in model.parameters() if p.requires_grad]) if self.opt_factory else None
         # Step 1: gradients to compare, and optimizer state.
         torch.manual_seed(seed + 1)
         loss(call_model(model, args), args).backward()
         # Kept on the host: on CUDA a copy on the device would count in the measured steps' max_memory_allocated
         # (one copy per run: a parameter-sized error in each measurement).
-        grads = [p.grad.detach().to('cpu', copy=True) if p.grad is not None else None for p in model.parameters()]
+        grads = [p.grad.detach().to("cpu", copy=True) if p.grad is not None else None for p in model.parameters()]
         if dev.type == "cuda" and not with_plan:
-            noise.append(_rerun_difference(model, args, loss, seed + 1, grads))
+            self.noise.append(_rerun_difference(model, args, loss, seed + 1, grads))
         if opt is not None:
             opt.step()
         model.zero_grad(set_to_none=True)
@@ -448,46 +504,28 @@ def validate(
                 opt.step()
             model.zero_grad(set_to_none=True)
 
-        if how is not None:
+        if self.how is not None:
             step()  # compiled: a recompilation on the second call (guards on the first) is not measured
-        peak, tracker, ms = measure_step(model, args, step, opt, dev, track=how is None)
-        times = [_timed(step, dev) for _ in range(max(0, timed_steps))]
+        peak, tracker, ms = measure_step(model, args, step, opt, dev, track=self.how is None)
+        times = [_timed(step, dev) for _ in range(max(0, self.timed_steps))]
         if times:
             ms = statistics.median(times)
         torch.manual_seed(seed + 3)
-        flops = _flops(model, args, loss) if how is None else None
+        flops = _flops(model, args, loss) if self.how is None else None
         if with_plan:
             remove_plan(model)
         method = "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "torch.profiler CPU allocator events + live bytes at step start"
         return Measurement(peak, tracker, ms, flops, method), grads
 
-    compiled: list[str] = []
-    noise: list[float] = []  # CUDA: the baseline's own run-to-run gradient difference (nondeterministic kernels)
-    base, g0 = run(False)
-    planned, g1 = run(True)
+
+def _grad_comparison(g0: list[torch.Tensor | None], g1: list[torch.Tensor | None], rtol: float, atol: float,
+                     noise: list[float]) -> tuple[bool, float, bool]:
+    """(bitwise equal, largest |difference|, match): within ``rtol`` / ``atol``, or on CUDA within twice the
+    baseline's own rerun difference (``noise``)."""
     bitwise = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(g0, g1))
     diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(g0, g1) if a is not None and b is not None and a.numel()]
     close = all(
-        (a is None and b is None) or (a is not None and b is not None and torch.allclose(a.float(), b.float(), rtol=grad_rtol, atol=grad_atol))
+        (a is None and b is None) or (a is not None and b is not None and torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol))
         for a, b in zip(g0, g1)
     ) or (bool(noise) and 0 < max(diffs, default=0.0) <= 2 * noise[0])
-    return ValidationReport(
-        host=str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
-        method=base.method,
-        baseline=base,
-        planned=planned,
-        predicted_baseline_peak_bytes=pred.baseline_peak_bytes,
-        predicted_peak_bytes=pred.peak_bytes,
-        predicted_recompute_flops=pred.recompute_flops,
-        predicted_recompute_ms=pred.recompute_ms,
-        plan_predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
-        grads_bitwise_equal=bitwise,
-        max_grad_abs_diff=max(diffs, default=0.0),
-        grads_match=close,
-        grads_compared=how is None or not any(op.is_random for m in stats.modules for op in m.ops),
-        plan_device_name=str(getattr(plan, "device_name", "") or ""),
-        timed_steps=max(1, timed_steps),
-        compiled=compiled[0] if compiled else "",
-        predicted_baseline_step_ms=None if dev.type == "cpu" else stats.step_ms,
-        kernel_noise=noise[0] if noise else 0.0,
-    )
+    return bitwise, max(diffs, default=0.0), close
