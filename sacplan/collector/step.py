@@ -12,7 +12,7 @@ naming the module (and the aten op) that was running, with a remedy for that op 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -79,7 +79,8 @@ def run_step(
         del l
         recorder.close_segment(Phase.BW)
         if opt is not None:
-            opt.step()
+            with local_shard_step(opt):
+                opt.step()
             opt.zero_grad(set_to_none=True)
         else:
             fmodel.zero_grad(set_to_none=True)
@@ -142,8 +143,74 @@ def _warm_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    opt.step()
+    with local_shard_step(opt):
+        opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def local_shard_step(opt: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block, the optimizer steps DTensor parameters (a mesh) through their local shards.
+
+    Where every gradient of a parameter group has its parameter's placements, the updates are elementwise on
+    matching shards, so a rank allocates exactly what the same step on its local tensors allocates; DTensor
+    dispatch only adds sharding propagation, which for foreach ops runs over all their tensors on every first call
+    (15.6 s of a 37 s Llama-70B TP 8 x FSDP 8 collection). Each DTensor parameter of such a group is replaced by a
+    Parameter on its local tensor (same storage) carrying the local gradient, and its state moves to it and back
+    as local tensors. A group with a gradient placed otherwise (TP's replicated output-layer gradient) steps as
+    DTensors, where DTensor redistributes it, its state wrapped back into DTensors (same storage).
+    """
+    swaps: list[tuple[dict, list[Any]]] = []
+    pairs: list[tuple[Any, Any]] = []
+    for group in opt.param_groups:
+        params = group["params"]
+        dts = [p for p in params if _is_dtensor(p)]
+        if not dts:
+            continue
+        local_ok = all(p.grad is None or (_is_dtensor(p.grad) and p.grad.placements == p.placements
+                                          and p.grad._local_tensor.shape == p._local_tensor.shape) for p in dts)
+        for p in dts:
+            _state_as(opt.state.get(p), p, local=local_ok)
+        if not local_ok:
+            continue
+        local = []
+        for p in params:
+            if not _is_dtensor(p):
+                local.append(p)
+                continue
+            lp = nn.Parameter(p._local_tensor, requires_grad=p.requires_grad)
+            lp.grad = None if p.grad is None else p.grad._local_tensor
+            if p in opt.state:
+                opt.state[lp] = opt.state.pop(p)
+            pairs.append((p, lp))
+            local.append(lp)
+        swaps.append((group, params))
+        group["params"] = local
+    try:
+        yield
+    finally:
+        for group, params in swaps:
+            group["params"] = params
+        for p, lp in pairs:
+            if lp in opt.state:
+                opt.state[p] = opt.state.pop(lp)
+
+
+def _state_as(state: Any, p: Any, local: bool) -> None:
+    """Parameter ``p``'s optimizer state as local shards (``local``) or as DTensors like ``p`` (same storages)."""
+    if not isinstance(state, dict):
+        return
+    from torch.distributed.tensor import DTensor
+
+    for k, v in state.items():
+        if local and _is_dtensor(v) and v.placements == p.placements:
+            state[k] = v._local_tensor
+        elif not local and isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.shape == p._local_tensor.shape and v.dim():
+            state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
 
 
 def _install_state_hooks(

@@ -133,3 +133,25 @@ def test_no_global_state_left():
     before = _global_state()
     _collect({"tp": 2})
     assert _global_state() == before and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("mesh", [{"dp_shard": 2, "tp": 2}, {"tp": 2}])
+def test_optimizer_steps_local_shards_with_the_same_bytes(monkeypatch, mesh):
+    """The fake optimizer step runs on the DTensor parameters' local shards where every gradient has its
+    parameter's placements (FSDP2; DTensor's foreach sharding propagation took 15.6 s of a 37 s Llama-70B
+    collection), as DTensors where one does not (TP alone: the output layer's gradient is replicated). Either way
+    every memory event is what the DTensor step records; only the optimizer's roofline time differs, the DTensor
+    ops being estimated at their global shapes."""
+    import contextlib
+
+    import sacplan.collector.step as step
+
+    local = _collect(mesh)
+    monkeypatch.setattr(step, "local_shard_step", lambda opt: contextlib.nullcontext())
+    dtensor = _collect(mesh)
+    assert local.peak_bytes == dtensor.peak_bytes and local.optimizer_bytes == dtensor.optimizer_bytes
+    assert [e.to_dict() for e in local.events] == [e.to_dict() for e in dtensor.events]
+    if "dp_shard" in mesh:
+        assert local.optimizer_ms < dtensor.optimizer_ms
+    else:
+        assert local.optimizer_ms == dtensor.optimizer_ms
