@@ -67,11 +67,12 @@ class AllocLog(TorchDispatchMode):
 def logged_step(model: torch.nn.Module, args: Any, loss_fn: Any, opt: Any) -> tuple[list[tuple], int, int]:
     """(per-op rows, measured peak bytes, tracker peak bytes) of one step (params, grads, state registered)."""
     from sacplan.collector.calling import call_model
-    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
+    from sacplan.collector.records import GRAD
     from sacplan.collector.runtime import RuntimeModel
     from sacplan.collector.tracker import StepRecorder
     from sacplan.devices import CPU, DeviceSpec
     from sacplan.stats import Phase
+    from sacplan.validation import register_state
 
     spec = DeviceSpec.from_current_cuda() if CUDA else CPU
     rec = StepRecorder(model, spec, RuntimeModel(spec))
@@ -81,14 +82,7 @@ def logged_step(model: torch.nn.Module, args: Any, loss_fn: Any, opt: Any) -> tu
     start = allocated()
     reset_peak()
     with rec:
-        rec.register(list(model.parameters()), PARAM)
-        rec.register(list(model.buffers()), BUFFER)
-        if opt is not None:
-            for s in opt.state.values():
-                rec.register([v for v in s.values() if isinstance(v, torch.Tensor)], OPT)
-        rec.register(args, INPUT)
-        rec.close_segment()
-        rec.recording = True
+        register_state(rec, model, opt, args)
         with log:
             torch.manual_seed(2)
             loss_fn(call_model(model, args), args).backward()

@@ -54,6 +54,7 @@ __all__ = [
     "live_bytes",
     "state_tensors",
     "tracker_step_peak",
+    "register_state",
 ]
 
 
@@ -248,7 +249,7 @@ def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], 
     An independent cross-check of the profiler's peak: the state (parameters, buffers, gradients,
     optimizer state, inputs) is registered first, so the peak includes it.
     """
-    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
+    from sacplan.collector.records import GRAD
     from sacplan.collector.runtime import RuntimeModel
     from sacplan.collector.tracker import StepRecorder
 
@@ -256,21 +257,29 @@ def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], 
     handles = [p.register_post_accumulate_grad_hook(lambda p: rec.relabel(p.grad, GRAD)) for p in model.parameters() if p.requires_grad]
     try:
         with rec:
-            rec.register(list(model.parameters()), PARAM)
-            rec.register(list(model.buffers()), BUFFER)
-            rec.register([p.grad for p in model.parameters() if p.grad is not None], GRAD)
-            if opt is not None:
-                for s in opt.state.values():
-                    rec.register([v for v in s.values() if isinstance(v, torch.Tensor)], OPT)
-            rec.register(args, INPUT)
-            rec.close_segment()
-            rec.recording = True
+            register_state(rec, model, opt, args)
             step()
             rec.close_segment(Phase.OTHER)
     finally:
         for h in handles:
             h.remove()
     return rec.step_peak
+
+
+def register_state(rec: Any, model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> None:
+    """Register the step's live state with a recorder entered on real tensors (parameters, buffers, gradients,
+    optimizer state, inputs), close the segment before the step and start recording."""
+    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
+
+    rec.register(list(model.parameters()), PARAM)
+    rec.register(list(model.buffers()), BUFFER)
+    rec.register([p.grad for p in model.parameters() if p.grad is not None], GRAD)
+    if opt is not None:
+        for s in opt.state.values():
+            rec.register([v for v in s.values() if isinstance(v, torch.Tensor)], OPT)
+    rec.register(args, INPUT)
+    rec.close_segment()
+    rec.recording = True
 
 
 def _rerun_difference(model: nn.Module, args: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], seed: int,
