@@ -92,3 +92,36 @@ def test_cli_validate_compile(tmp_path, monkeypatch, capsys):
     assert main(["validate", "m.py:build", "--plan", "p.json", "-q", "--compile"]) == 0
     out = capsys.readouterr().out
     assert "compiled: 3 repeated blocks compiled one by one (inductor)" in out and "not counted" in out
+
+
+@pytest.mark.slow
+def test_many_planned_blocks_compile_without_recompiling():
+    """Each planned block's forward is its own object (the plan's _PlannedForward), yet 12 checkpointed blocks
+    compiled one by one trace one graph: no recompilation, so Dynamo's cache-size limit (8) is not reached."""
+    import torch._dynamo
+
+    from sacplan.alternatives import plan_from_choices
+    from sacplan.apply import apply_plan
+    from sacplan.blocks import repeated_blocks
+    from sacplan.collector import collect
+    from sacplan.compiling import compile_model
+    from sacplan.models import get_model
+    from sacplan.tree import ModuleTree
+
+    p = get_model("llama-tiny")
+
+    def build():
+        return p.build(n_layers=12)
+
+    x = p.example_inputs(2, 32)
+    stats = collect(build, x, device="cpu", loss_fn=p.loss_fn)
+    plan = plan_from_choices(ModuleTree(stats), {f"layers.{i}": None for i in range(12)}, "full")
+    m = build()
+    apply_plan(m, plan)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert compile_model(m, "blocks", repeated_blocks(stats)).startswith("12 repeated blocks")
+    args = x if isinstance(x, tuple) else (x,)
+    for _ in range(2):
+        p.loss_fn(m(*args), *args).backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
