@@ -75,7 +75,16 @@ def test_recomputation_copies_the_rng_state() -> None:
 
 def test_rng_copy_outside_the_stretch_peak() -> None:
     """The counter-example to adding the copy at every rc event: here the rc stretch peaks in the loss's backward,
-    before the recomputation starts; exact today, and must stay so when the copy is modelled."""
+    before the recomputation starts; exact today, and must stay so when the copy is modelled.
+
+    Measured 2026-11-26 (the tracker on the planned real step, ``torch.get_rng_state`` registered): the real peak,
+    235,464 B, is in the loss's backward; ``body``'s recomputation starts at 186,312 B live, the fork_rng copy
+    brings it to 191,368 and the one op it really recomputes to 207,752. The model's rc value for ``body``,
+    235,464 without the copy, is the base at ``body``'s backward start (197,640) with every discarded tensor
+    back plus the transient (32,768): a selective recomputation that takes cached ops from the cache
+    re-materialises less than that. Adding the copy there (tried again, in evaluate.event_peaks and the solver's
+    rc rows) turns this plan 5,056 B over while three of the RNG tests above then pass: the copy needs an rc value
+    that is the recomputation's own."""
     assert_exact(ModelSpec(layers=(Layer("linear"),) * 3, dim=64, seq=32), 0.0)
 
 
