@@ -475,7 +475,8 @@ class _RealSteps:
         """Measurement and first-step gradients without (``plan`` None) or with ``plan``."""
         self.say(f"real steps {'with' if plan is not None else 'without'} the plan: warm-up, measured peak, "
                  f"{self.timed_steps} timed")
-        gc.collect()  # the other run's model may sit in reference cycles: its memory would count in this peak
+        if self.dev.type == "cuda":  # the other run's model may sit in reference cycles: max_memory_allocated would
+            gc.collect()  # count it (the host measurement is relative to the step's start)
         model = self.build().to(self.dev)
         model.train()
         if plan is not None:
