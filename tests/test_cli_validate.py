@@ -149,6 +149,13 @@ def test_device_from_a_json_file(tmp_path, capsys):
     assert main(["plan", "llama-tiny", "-q", "--device", str(spec), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["device_name"] == "MyGPU" and d["budget_bytes"] == int(0.8 * 8 * 2**30)
+    # a GPU holds its cuBLAS workspaces (2 x 32 MiB unless the file says otherwise) through the step
+    from sacplan.cli_device import target_device
+
+    assert target_device(str(spec)).runtime_workspace_bytes == 64 * 2**20
+    spec.write_text(json.dumps({"name": "MyGPU", "memory_bytes": 8 * 2**30, "peak_flops": {"bf16": 5e14},
+                                "hbm_bandwidth": 2e12, "runtime_workspace_bytes": 0}))
+    assert target_device(str(spec)).runtime_workspace_bytes == 0
     spec.write_text(textwrap.dedent('{"name": "MyGPU"}'))
     assert main(["plan", "llama-tiny", "-q", "--device", str(spec)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
