@@ -28,7 +28,7 @@ def target_device(name: str) -> Any:
     Raises:
         UsageError: unknown name (with the close names, written as ``--device`` values), unreadable file.
     """
-    from sacplan.devices import DeviceSpec, ambiguous_devices, close_devices, cublas_workspaces, get_device
+    from sacplan.devices import DeviceSpec, ambiguous_devices, close_devices, get_device
 
     if name.lower().endswith(".json"):
         path = Path(name)
@@ -38,8 +38,7 @@ def target_device(name: str) -> Any:
             d = json.loads(path.read_text())
             if not isinstance(d, dict):
                 raise ValueError(f"expected a JSON object, got {type(d).__name__}")
-            # a GPU: its cuBLAS workspaces unless the file says otherwise (Hopper's 2 x 32 MiB, the larger default)
-            return DeviceSpec.from_dict({"runtime_workspace_bytes": cublas_workspaces(True), **d})
+            return DeviceSpec.from_dict(d)  # a GPU: its cuBLAS workspaces by default (DeviceSpec)
         except (ValueError, TypeError, ConfigError) as e:
             why = " ".join(str(e).split())
             raise UsageError(f"--device {name}: {why}; write one JSON object such as {DEVICE_JSON_EXAMPLE}") from e

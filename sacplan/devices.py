@@ -49,7 +49,8 @@ class DeviceSpec:
             for the whole step (they count in ``torch.cuda.max_memory_allocated``): one cuBLAS workspace per
             thread that runs a matmul, the forward's thread and autograd's device thread (2 × 32 MiB on Hopper
             and later, 2 × 8 MiB + 128 KiB before: PyTorch's defaults). Collection counts them as ``other``
-            bytes live through the step; 0 for a host CPU.
+            bytes live through the step. Default (``None``): 0 for the host CPU (``name == "CPU"``), else the
+            2 × 32 MiB of Hopper (a spec written by hand for a GPU is not planned 64 MiB short).
         sm_count, max_threads_per_sm: streaming multiprocessors and resident threads per SM, which set the
             staging buffers of PyTorch's CUDA reductions (:mod:`sacplan.collector.reductions`); ``sm_count`` 0
             leaves them unmodelled (host CPU, ROCm).
@@ -65,7 +66,7 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     kernel_overhead_ms: float = 0.004
     attention: str = "flash"
-    runtime_workspace_bytes: int = 0
+    runtime_workspace_bytes: int | None = None
     sm_count: int = 0
     max_threads_per_sm: int = 2048
     source: str = ""
@@ -83,6 +84,8 @@ class DeviceSpec:
             raise ConfigError(f"DeviceSpec {self.name!r}: efficiencies must lie in (0, 1]")
         if self.sm_count < 0 or self.max_threads_per_sm < 1:
             raise ConfigError(f"DeviceSpec {self.name!r}: sm_count must be >= 0 and max_threads_per_sm >= 1")
+        if self.runtime_workspace_bytes is None:  # a GPU unless it is the host: Hopper's larger default
+            object.__setattr__(self, "runtime_workspace_bytes", 0 if self.name == "CPU" else cublas_workspaces(True))
         if self.runtime_workspace_bytes < 0:
             raise ConfigError(f"DeviceSpec {self.name!r}: runtime_workspace_bytes must be >= 0")
         if self.attention not in ("flash", "math"):

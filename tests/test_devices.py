@@ -380,3 +380,14 @@ def test_bad_runtime_figures_are_refused():
         get_device("h100").replace(runtime_workspace_bytes=-1)
     with pytest.raises(ConfigError, match="sm_count"):
         get_device("h100").replace(sm_count=-1)
+
+
+def test_a_hand_written_gpu_spec_holds_the_workspaces_by_default():
+    from sacplan.devices import DeviceSpec
+
+    gpu = DeviceSpec(name="MyGPU", memory_bytes=2**30, peak_flops={"bf16": 1e15}, hbm_bandwidth=1e12)
+    assert gpu.runtime_workspace_bytes == 64 * 2**20  # not planned 64 MiB short on a Hopper-class card
+    assert DeviceSpec.from_dict(gpu.to_dict()) == gpu
+    host = DeviceSpec(name="CPU", memory_bytes=2**30, peak_flops={"fp32": 1e12}, hbm_bandwidth=1e10)
+    assert host.runtime_workspace_bytes == 0
+    assert gpu.replace(runtime_workspace_bytes=0).runtime_workspace_bytes == 0
