@@ -328,7 +328,6 @@ def measure(
     * ``tracker_peak_bytes`` (``track=True``, eager only, else None): sacplan's tracker run on the real tensors
       of one more step, an independent cross-check of the profiler's peak.
     """
-    global _FLOP_SINK
     from sacplan.apply import apply_plan
     from sacplan.validation import live_bytes, state_tensors
 
@@ -371,18 +370,7 @@ def measure(
             del l
             model.zero_grad(set_to_none=True)
 
-        # Warm-up step (compiles), counting FLOPs.
-        if compile_budget is not None:
-            _FLOP_SINK = [0]
-            try:
-                step()
-                flops = _FLOP_SINK[0]
-            finally:
-                _FLOP_SINK = None
-        else:
-            with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
-                step()
-            flops = int(fc.get_total_flops())
+        flops = _counted_step(step, compiled=compile_budget is not None)  # the warm-up step (compiles)
         live = live_bytes(state_tensors(model, None, args))
         t0 = time.perf_counter()
         peak, fw_delta = _profiled(lambda: step(hooks=True), live)
@@ -394,17 +382,7 @@ def measure(
             tracker_peak = int(tracker_step_peak(model, args, step, None))
         state_keys = {_storage_key(t) for t in state_tensors(model, None, args)}
         packed_bytes = sum(v for k, v in packed.items() if k not in state_keys)
-    base_key = (model_fn, id(inputs_fn), "compile" if compile_budget is not None else "eager")
-    base = _BASELINE_FLOPS.get(base_key)
-    if base is None:
-        if compile_budget is None and (plan is None or not getattr(plan, "decisions", ())):
-            base = flops
-        elif compile_budget is not None and compile_budget >= 1.0:
-            base = flops
-        else:
-            ref = measure(model_fn, inputs_fn, loss_fn, None, compile_budget=None if compile_budget is None else 1.0, seed=seed)
-            base = ref["flops"]
-        _BASELINE_FLOPS[base_key] = base
+    base = _baseline_flops(model_fn, inputs_fn, loss_fn, plan, compile_budget, seed, flops)
     if compile_budget is not None:
         torch._dynamo.reset()
     return {
@@ -416,6 +394,39 @@ def measure(
         "step_ms": float(step_ms),
         "tracker_peak_bytes": tracker_peak,
     }
+
+
+def _counted_step(step: Callable[[], None], compiled: bool) -> int:
+    """FLOPs of one call of ``step``: ``FlopCounterMode`` eagerly; compiled, what the compile backend counted."""
+    global _FLOP_SINK
+    if compiled:
+        _FLOP_SINK = [0]
+        try:
+            step()
+            return _FLOP_SINK[0]
+        finally:
+            _FLOP_SINK = None
+    with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
+        step()
+    return int(fc.get_total_flops())
+
+
+def _baseline_flops(model_fn: Callable[[], nn.Module], inputs_fn: Callable[[], Any], loss_fn: Any, plan: Any,
+                    compile_budget: float | None, seed: int, flops: int) -> int:
+    """FLOPs of the same step without checkpointing (eager no-AC; compiled at budget 1.0), measured once per model
+    and mode (``flops`` when this step is that one)."""
+    base_key = (model_fn, id(inputs_fn), "compile" if compile_budget is not None else "eager")
+    base = _BASELINE_FLOPS.get(base_key)
+    if base is None:
+        if compile_budget is None and (plan is None or not getattr(plan, "decisions", ())):
+            base = flops
+        elif compile_budget is not None and compile_budget >= 1.0:
+            base = flops
+        else:
+            ref = measure(model_fn, inputs_fn, loss_fn, None, compile_budget=None if compile_budget is None else 1.0, seed=seed)
+            base = ref["flops"]
+        _BASELINE_FLOPS[base_key] = base
+    return base
 
 
 def ladder(lo: int, hi: int, n: int) -> list[int]:
