@@ -69,61 +69,13 @@ def select_candidates(
         ck_overhead: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a
             CPU target).
     """
-    notes: list[str] = []
     if isinstance(ac_units, str) or isinstance(fsdp_units, str):
         raise ConfigError("ac_units / fsdp_units must be lists of module names, not a single string")
-    named = None
-    if ac_units is not None:
-        named = {tree.node(f).index for f in ac_units}  # ConfigError with suggestions if unknown
-    blocked: set[int] = set()
-    for f in fsdp_units or ():
-        for a in tree.ancestors(f):  # ConfigError with suggestions if unknown
-            blocked.add(a.index)
     post_calls: dict[str, int] = {}
     for f in tree.stats.fw_post_order:
         post_calls[f] = post_calls.get(f, 0) + 1
-    chosen: list[int] = []
-    overheads: dict[int, tuple[tuple[float, ...], float]] = {}
-    for n in tree.nodes:
-        t = n.stats.tradeoff
-        if named is not None and n.index not in named:
-            continue
-        eligible = t is not None and t.max_discard_bytes > 0 and post_calls.get(n.fqn, 0) > 0
-        if named is None and n.parent is None:
-            # the root only when named explicitly. Leaves are candidates: checkpointing a norm layer alone
-            # (recompute a few pointwise ops, drop its fp32 intermediates) is what makes a third of full
-            # AC's recompute reachable at full AC's peak on Llama-7B (15.9% with leaves, 33.4% without).
-            eligible = False
-        if n.index in blocked:
-            if named is not None and eligible:
-                notes.append(
-                    f"ac unit {n.fqn!r} is an ancestor of an FSDP unit and cannot be checkpointed"
-                )
-            continue
-        if not eligible:
-            if named is not None:
-                notes.append(f"ac unit {n.fqn!r} has no discardable activations and is skipped")
-            continue
-        overheads[n.index] = _overheads(n.stats, post_calls[n.fqn], ck_overhead)
-        if overheads[n.index][1] > 1.0:
-            if named is not None:
-                notes.append(
-                    f"ac unit {n.fqn!r} would keep more bytes checkpointed (inputs held until its backward, "
-                    "stashed RNG state) than it can discard, and is skipped"
-                )
-            continue
-        chosen.append(n.index)
-    slot_of = {ni: s for s, ni in enumerate(chosen)}
-    has_child = [False] * len(chosen)
-    parents = []
-    for ni in chosen:
-        p = tree.nodes[ni].parent
-        while p is not None and p not in slot_of:
-            p = tree.nodes[p].parent
-        ps = -1 if p is None else slot_of[p]
-        parents.append(ps)
-        if ps >= 0:
-            has_child[ps] = True
+    chosen, overheads, notes = _eligible(tree, ac_units, fsdp_units, ck_overhead, post_calls)
+    parents, has_child = _nesting(tree, chosen)
     out = []
     for s, ni in enumerate(chosen):
         n = tree.nodes[ni]
@@ -156,6 +108,70 @@ def select_candidates(
             )
         )
     return out, notes
+
+
+def _eligible(
+    tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None, ck_overhead: float,
+    post_calls: dict[str, int],
+) -> tuple[list[int], dict[int, tuple[tuple[float, ...], float]], list[str]]:
+    """(node indices that may be checkpoint units in pre-order, their per-call overheads and minimum ratios, notes
+    on named ``ac_units`` that cannot be)."""
+    notes: list[str] = []
+    named = None
+    if ac_units is not None:
+        named = {tree.node(f).index for f in ac_units}  # ConfigError with suggestions if unknown
+    blocked: set[int] = set()
+    for f in fsdp_units or ():
+        for a in tree.ancestors(f):  # ConfigError with suggestions if unknown
+            blocked.add(a.index)
+    chosen: list[int] = []
+    overheads: dict[int, tuple[tuple[float, ...], float]] = {}
+    for n in tree.nodes:
+        t = n.stats.tradeoff
+        if named is not None and n.index not in named:
+            continue
+        eligible = t is not None and t.max_discard_bytes > 0 and post_calls.get(n.fqn, 0) > 0
+        if named is None and n.parent is None:
+            # the root only when named explicitly. Leaves are candidates: checkpointing a norm layer alone
+            # (recompute a few pointwise ops, drop its fp32 intermediates) is what makes a third of full
+            # AC's recompute reachable at full AC's peak on Llama-7B (15.9% with leaves, 33.4% without).
+            eligible = False
+        if n.index in blocked:
+            if named is not None and eligible:
+                notes.append(
+                    f"ac unit {n.fqn!r} is an ancestor of an FSDP unit and cannot be checkpointed"
+                )
+            continue
+        if not eligible:
+            if named is not None:
+                notes.append(f"ac unit {n.fqn!r} has no discardable activations and is skipped")
+            continue
+        overheads[n.index] = _overheads(n.stats, post_calls[n.fqn], ck_overhead)
+        if overheads[n.index][1] > 1.0:
+            if named is not None:
+                notes.append(
+                    f"ac unit {n.fqn!r} would keep more bytes checkpointed (inputs held until its backward, "
+                    "stashed RNG state) than it can discard, and is skipped"
+                )
+            continue
+        chosen.append(n.index)
+    return chosen, overheads, notes
+
+
+def _nesting(tree: ModuleTree, chosen: list[int]) -> tuple[list[int], list[bool]]:
+    """Per chosen node, the slot of its nearest chosen ancestor (-1: none), and whether a chosen node nests in it."""
+    slot_of = {ni: s for s, ni in enumerate(chosen)}
+    has_child = [False] * len(chosen)
+    parents = []
+    for ni in chosen:
+        p = tree.nodes[ni].parent
+        while p is not None and p not in slot_of:
+            p = tree.nodes[p].parent
+        ps = -1 if p is None else slot_of[p]
+        parents.append(ps)
+        if ps >= 0:
+            has_child[ps] = True
+    return parents, has_child
 
 
 def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[float, ...], float]:
