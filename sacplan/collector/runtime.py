@@ -54,11 +54,15 @@ _PLAIN = (torch.Tensor, FakeTensor, torch.nn.Parameter)
 
 
 def _local(t: Any) -> Any:
-    """A DTensor's (a traceable wrapper subclass holding one tensor) local shard; anything else unchanged."""
+    """A DTensor's (a traceable wrapper subclass holding one tensor) local shard; anything else unchanged.
+
+    The inner tensor is found among the flattened attributes, which may hold more than tensors (torch 2.13's
+    DTensor flattens to its local tensor *and* its device mesh)."""
     if isinstance(t, torch.Tensor) and type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
-        if len(attrs) == 1:
-            return _local(getattr(t, attrs[0]))
+        inner = [x for x in (getattr(t, a) for a in attrs) if isinstance(x, torch.Tensor)]
+        if len(inner) == 1:
+            return _local(inner[0])
     return t
 
 

@@ -23,7 +23,6 @@ import torch
 import torch._prims_common as _prims_common
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from sacplan.collector.module_hooks import ModuleCallHooks
 from sacplan.collector.records import ACT, TEMP, OpRecord
@@ -91,8 +90,6 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
         self._undo: contextlib.ExitStack | None = None
-        #: the model's parameters are DTensors (a mesh): ops on DTensors are timed on their local shards
-        self.dtensors = any(type(p).__name__ == "DTensor" for p in model.parameters())
 
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -144,10 +141,8 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
             # Returns only aliases of existing storages without declaring it (``_unsafe_view``, no-op ``to``):
             # a view in all but schema. Saving it under SAC would pin its base, so it is treated as a view.
             is_view = True
-        # a rank computes on its local shards: FLOPs and bytes of those, not of the DTensors' global shapes
-        e_args, e_kwargs, e_out = tree_map(_local_shard, (args, kwargs, out)) if self.dtensors else (args, kwargs, out)
-        flops = op_flops(func, e_args, e_kwargs, e_out)
-        ms = self.runtime.estimate(func, e_args, e_kwargs, e_out, flops, is_view)
+        flops = op_flops(func, args, kwargs, out)
+        ms = self.runtime.estimate(func, args, kwargs, out, flops, is_view)
         if self.in_optimizer:
             self.opt_ms += ms
         elif in_bw:
@@ -241,11 +236,6 @@ def accumulation_input(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.
         return st
     except (RuntimeError, NotImplementedError):
         return None
-
-
-def _local_shard(x: Any) -> Any:
-    """A DTensor's local tensor (what this rank computes on); anything else as it is."""
-    return x._local_tensor if type(x).__name__ == "DTensor" and hasattr(x, "_local_tensor") else x
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
