@@ -47,7 +47,7 @@ def reduction_staging_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: di
     reduced = _reduced_dims(x.dim(), dims)
     acc = x.element_size() if func in SELF_REDUCTIONS else (8 if x.dtype in (torch.float64,) or not x.is_floating_point() else 4)
     it = iterator_dims(list(x.shape), list(x.stride()), reduced)
-    buffer, semaphores = staging_bytes(it, acc, x.element_size(), x.storage_offset(), spec.sm_count, spec.max_threads_per_sm)
+    buffer, semaphores = staging_bytes(it, acc, x.storage_offset(), spec.sm_count, spec.max_threads_per_sm)
     return spec.round_alloc(buffer) + spec.round_alloc(semaphores) if buffer else 0
 
 
@@ -73,7 +73,7 @@ def iterator_dims(shape: list[int], strides: list[int], reduced: set[int]) -> li
     return out
 
 
-def staging_bytes(it: list[tuple[int, int, bool]], acc: int, elem: int, offset: int, sms: int, threads_per_sm: int) -> tuple[int, int]:
+def staging_bytes(it: list[tuple[int, int, bool]], acc: int, offset: int, sms: int, threads_per_sm: int) -> tuple[int, int]:
     """(staging buffer, semaphore) bytes of ``setReduceConfig`` for the iterator ``it`` (0, 0: no global reduce)."""
     n_red = sum(1 for _, _, r in it if r)
     num_outputs = 1
