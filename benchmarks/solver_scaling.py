@@ -12,9 +12,9 @@ Usage::
 
 ``--user-trees``: the trees users bring (issue 26), collected on fakes for an H100 (bf16, AdamW) from the libraries'
 config objects, planned at the budget midway between the minimum feasible and the no-AC peak: with the default
-settings (deterministic work limit, 60 s safety net: seconds, status, gap, who proved it, nodes, what stopped it)
-and side by side without a work limit up to ``--proof-limit`` seconds (the time to a proof). Timings are wall
-seconds of this host: run it on a quiet machine.
+settings (deterministic work limit, 60 s safety net: seconds, status, gap, who proved it, the chain DP's work
+units) and side by side main's path, ``SolverOptions(chain_dp=False)`` (the tree DP, then the MILP: seconds,
+status, gap, nodes, what stopped it), and whether the two plans agree. Timings are wall seconds of this host.
 
 Trees: synthetic Llama-7B-shaped models (``sacplan/testing/llama_tree.py:llama_spec``; the per-module bytes and
 milliseconds are derived in its docstring: hidden 4096, seq 4096, batch 1, bf16, flash attention, H100-SXM,
@@ -251,12 +251,14 @@ def issue14(args) -> None:
                       flush=True)
 
 
-def _hf_build(cls_name: str, cfg_name: str, **cfg):
+def _hf_build(cls_name: str, cfg_name: str, attn: str = "sdpa", **cfg):
+    """A factory of ``transformers.<cls_name>(<cfg_name>(**cfg))`` with attention implementation ``attn``."""
+
     def build():
         import transformers
 
         c = getattr(transformers, cfg_name)(**cfg)
-        c._attn_implementation = "sdpa"
+        c._attn_implementation = attn
         return getattr(transformers, cls_name)(c)
 
     return build
@@ -303,7 +305,8 @@ def user_trees() -> dict[str, dict]:
         "gemma-2-2b s8192": dict(build=_hf_build("Gemma2ForCausalLM", "Gemma2Config", hidden_size=2304,
                                                  intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
                                                  num_key_value_heads=4, head_dim=256, vocab_size=256000,
-                                                 use_cache=False), **lm(256000, 1, 8192)),
+                                                 use_cache=False, attn="eager"),  # no SDPA for Gemma-2 in transformers
+                                **lm(256000, 1, 8192)),
         "gpt2-xl b4 s1024": dict(build=_hf_build("GPT2LMHeadModel", "GPT2Config", n_embd=1600, n_layer=48, n_head=25,
                                                  n_positions=1024, use_cache=False), **lm(50257, 4, 1024)),
         "vit-l (transformers) b64": dict(build=_hf_build("ViTForImageClassification", "ViTConfig", hidden_size=1024,
@@ -351,7 +354,8 @@ def _user_tree(name: str, spec: dict, cache: str | None):
 
 
 def user_trees_table(args) -> None:
-    """Issue 26's table: each user tree at its midway budget, default settings and to a proof, side by side."""
+    """Issue 26's table: each user tree at its midway budget with the default settings, and side by side main's
+    path (``SolverOptions(chain_dp=False)``: the tree DP, then the MILP), in one run."""
     from sacplan.solver import SolverOptions, min_feasible_budget
 
     conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "conformance")
@@ -359,10 +363,10 @@ def user_trees_table(args) -> None:
     import conftest  # noqa: F401  (torchvision's op schemas before timm imports torchvision)
 
     warnings.simplefilter("ignore")
-    print(f"# python {sys.version.split()[0]}; {os.cpu_count()} CPUs; proof limit {args.proof_limit:g} s")
-    print("| tree | candidates | default: s | status / gap | proved by | nodes | stopped by | "
-          f"no work limit (<= {args.proof_limit:g} s): s | status / gap |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"# python {sys.version.split()[0]}; {os.cpu_count()} CPUs; os.getloadavg() {os.getloadavg()[0]:.1f} at start")
+    print("| tree | candidates | binding events | default: s | status / gap | proved by | DP work units | "
+          "main (chain_dp=False): s | status / gap | proved by | nodes | stopped by | same plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, spec in user_trees().items():
         if args.only and not any(o in name for o in args.only):
             continue
@@ -371,17 +375,30 @@ def user_trees_table(args) -> None:
             lo, hi = min_feasible_budget(tree), baseline_peak(tree)
             budget = f"{int(lo + (hi - lo) // 2)}B"
             cells = []
-            for opts in (SolverOptions(), SolverOptions(work_limit=None, time_limit_s=args.proof_limit)):
+            for opts in (SolverOptions(), SolverOptions(chain_dp=False)) if args.old else (SolverOptions(),):
                 t0 = time.perf_counter()
                 p = solve(tree, budget, options=opts)
                 cells.append((time.perf_counter() - t0, p))
         except Exception as e:  # the table says which trees fail and why
             print(f"| {name} | FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]} |", flush=True)
             continue
-        (s1, p1), (s2, p2) = cells
-        print(f"| {name} | {p1.meta.get('candidates')} | {s1:.1f} | {p1.status} {p1.gap:.2%} | "
-              f"{p1.meta.get('proved_by')} | {p1.meta.get('work_nodes')} | {', '.join(p1.meta.get('stopped_by', [])) or '-'} "
-              f"| {s2:.1f} | {p2.status} {p2.gap:.2%} |", flush=True)
+        print(_user_row(name, cells), flush=True)
+
+
+def _user_row(name: str, cells: list) -> str:
+    """One row of :func:`user_trees_table`: the default solve and, when run, main's path."""
+    s1, p1 = cells[0]
+    dp = p1.meta.get("tree_dp") if isinstance(p1.meta.get("tree_dp"), dict) else {}
+    row = (f"| {name} | {p1.meta.get('candidates')} | {dp.get('binding_events', '-')} | {s1:.1f} | "
+           f"{p1.status} {p1.gap:.2%} | {p1.meta.get('proved_by')} | "
+           f"{dp.get('work', '-') if p1.meta.get('proved_by') == 'chain-dp' else p1.meta.get('chain_dp', '-')} |")
+    if len(cells) < 2:
+        return row + " - | - | - | - | - | - |"
+    s2, p2 = cells[1]
+    same = (p1.to_dict(timings=False)["decisions"] == p2.to_dict(timings=False)["decisions"])
+    return row + (f" {s2:.1f} | {p2.status} {p2.gap:.2%} | {p2.meta.get('proved_by')} | {p2.meta.get('work_nodes')} | "
+                  f"{', '.join(p2.meta.get('stopped_by', [])) or '-'} | "
+                  f"{'yes' if same else f'no ({p1.objective_ms:.4f} vs {p2.objective_ms:.4f} ms)'} |")
 
 
 def main(argv=None) -> int:
@@ -402,7 +419,8 @@ def main(argv=None) -> int:
     ap.add_argument("--user-trees", action="store_true", help="only issue 26's third-party trees (see user_trees)")
     ap.add_argument("--only", nargs="*", help="with --user-trees: trees whose name contains one of these")
     ap.add_argument("--cache", default=None, help="with --user-trees: a folder to keep collected trees in")
-    ap.add_argument("--proof-limit", type=float, default=120.0, help="with --user-trees: s for the no-work-limit run")
+    ap.add_argument("--no-old", dest="old", action="store_false",
+                    help="with --user-trees: skip main's path (SolverOptions(chain_dp=False)) beside the default")
     ap.add_argument("--issue14", action="store_true", help="only issue 14's cells (see ISSUE14_CELLS)")
     ap.add_argument("--issue14-solvers", default="highs,cbc", help="solvers for --issue14")
     ap.add_argument("--issue14-dp", default="on,off", help="--issue14 with the tree DP (on) and/or without it (off)")

@@ -50,7 +50,11 @@ class SolverOptions:
         on_interrupt: Ctrl-C during the search: ``"raise"`` or ``"incumbent"`` (return the best plan so far).
         tree_dp: in exact mode, try the exact tree DP (:mod:`sacplan.solver.tree_dp`) before the MILP: it proves
             plans where at most a few events can bind in well under a second, and gives up quickly elsewhere.
-            False: the MILP alone (to compare, or to have the back-end prove the plan).
+            False: the MILP alone (to compare, or to have the back-end prove the plan; no chain DP either).
+        chain_dp: in exact mode, when the tree DP does not apply (many binding events), try the exact DP over
+            sequential blocks (:mod:`sacplan.solver.chain_dp`) before the MILP: it proves the repeated-block
+            trees users bring (BERT, ViT, GPT-2, ConvNeXt...) in seconds, and gives up where the blocks do not
+            run one after another. False: as before it (to compare).
     """
 
     solver: str = "auto"
@@ -63,6 +67,7 @@ class SolverOptions:
     max_options: int | None = 16
     on_interrupt: str = "raise"
     tree_dp: bool = True
+    chain_dp: bool = True
     #: the MILP back-end that runs (``"highs"`` or ``"cbc"``), from :attr:`solver`
     backend: str = field(init=False, repr=False, compare=False)
 
@@ -80,8 +85,9 @@ class SolverOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
-        if not isinstance(self.tree_dp, bool):
-            raise ConfigError(f"tree_dp must be True or False, got {self.tree_dp!r}")
+        for name in ("tree_dp", "chain_dp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.on_interrupt not in ON_INTERRUPT:
             raise ConfigError(f"on_interrupt must be 'raise' or 'incumbent', got {self.on_interrupt!r}")
 

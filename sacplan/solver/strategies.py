@@ -23,6 +23,7 @@ import numpy as np
 from sacplan.errors import InfeasibleBudgetError, SolverError
 from sacplan.solver import limits
 from sacplan.solver.budget_milp import MilpRun, solve_budget_milp
+from sacplan.solver.chain_dp import solve_chain_dp
 from sacplan.solver.formulation import MilpIndex, build_budget_model, columns_for, decision_from
 from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, relative_gap
 from sacplan.solver.options import SolverOptions
@@ -70,13 +71,21 @@ def find(problem: SacProblem, budget: int, opts: SolverOptions) -> Found:
     model_s = time.perf_counter() - t0
     why: list[str] = []
     dp = solve_tree_dp(problem, float(budget), why=why) if problem.exact and opts.tree_dp else None
+    by = "tree-dp"
+    if dp is None and problem.exact and opts.tree_dp and opts.chain_dp:  # many binding events: sequential blocks
+        dp, by = solve_chain_dp(problem, float(budget), why=why), "chain-dp"
     dp_s = time.perf_counter() - t0 - model_s
     meta = {"model": model.stats(), "events": len(problem.ev_base), "events_kept": idx.kept_events}
     timing = {"model": model_s, "tree_dp": dp_s}
     if dp is not None:
-        return _options_slack(problem, _from_tree_dp(problem, dp, model, idx, meta, timing))
-    # the tree DP's reason for not applying (None: not tried, i.e. lines mode or SolverOptions(tree_dp=False))
+        if by == "chain-dp":  # why the tree DP did not apply (None: not tried)
+            meta["tree_dp_gave_up"] = (why or [None])[0]
+        return _options_slack(problem, _from_tree_dp(problem, dp, model, idx, meta, timing, by))
+    # the tree DP's reason for not applying (None: not tried, i.e. lines mode or SolverOptions(tree_dp=False)),
+    # and the chain DP's when it was tried after it
     meta["tree_dp"] = (why or [None])[0]
+    if len(why) > 1:
+        meta["chain_dp"] = why[1]
     t1 = time.perf_counter()
     run = solve_budget_milp(problem, model, idx, float(budget), opts)
     timing.update(heuristic=run.heuristic_s, search=time.perf_counter() - t1 - run.heuristic_s)
@@ -98,11 +107,14 @@ def _options_slack(problem: SacProblem, found: Found) -> Found:
 
 def _from_tree_dp(
     problem: SacProblem, dp: TreeDpResult, model: MilpModel, idx: MilpIndex, meta: dict[str, Any],
-    timing: dict[str, float],
+    timing: dict[str, float], by: str = "tree-dp",
 ) -> Found:
-    meta.update(heuristic_ms=None, raw_status="tree-dp", lp_bound_ms=None, proved_by="tree-dp",
+    """The DP's proven optimum (``by``: ``"tree-dp"`` or ``"chain-dp"``) as a :class:`Found`."""
+    meta.update(heuristic_ms=None, raw_status=by, lp_bound_ms=None, proved_by=by,
                 tree_dp={"binding_events": len(dp.binding), "max_front": max(dp.front_sizes, default=0)},
                 tolerance_cuts=0)
+    if by != "tree-dp":  # the chain DP's work units (deterministic)
+        meta["tree_dp"]["work"] = dp.work
     # read back through the MILP's columns, as every strategy's decision is (the ratios as the options spell them)
     y, r = decision_from(problem, idx, columns_for(problem, model, idx, dp.y, dp.r))
     return Found(y, r, dp.cost_ms, dp.cost_ms, 0.0, OPTIMAL, meta, timing)

@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from sacplan.solver import limits
+from sacplan.solver.candidates import Candidate
 from sacplan.solver.problem import SacProblem
 
 #: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
@@ -82,7 +83,7 @@ TOL_REL = 1e-12
 class TreeDpResult:
     """The DP's optimum: checkpoint flags ``y``, option ratios ``r`` per slot, its cost (ms, exact
     :meth:`~sacplan.solver.problem.SacProblem.cost`), the binding events, the size of each front built (points)
-    and the seconds it took."""
+    and the seconds it took, and the work units it spent (deterministic)."""
 
     y: np.ndarray
     r: np.ndarray
@@ -90,10 +91,46 @@ class TreeDpResult:
     binding: tuple[int, ...]
     front_sizes: tuple[int, ...]
     seconds: float
+    work: int = 0
 
 
 class TreeDpGaveUp(Exception):
     """Why the DP did not apply (``str(e)``): too many binding events, continuous lines, a front too large..."""
+
+
+def binding_events(problem: SacProblem, budget: float) -> np.ndarray:
+    """The events that some decision can push over ``budget`` bytes (ascending): ``ev_base`` plus every positive
+    ``Y`` term and the largest surge exceeds it. :class:`TreeDpGaveUp` past :data:`MAX_SCREENED` of them."""
+    _, Y = problem.linear_terms()
+    binding = np.nonzero(problem.ev_base + np.clip(Y, 0, None).sum(1) + problem.surge_top() > budget)[0]
+    if len(binding) > MAX_SCREENED:
+        raise TreeDpGaveUp(f"{len(binding)} events can exceed the budget (> {MAX_SCREENED} to screen)")
+    return binding
+
+
+def levels(problem: SacProblem, c: Candidate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidate ``c``'s checkpoint levels: discard ratios, recompute ms over all calls and the surge (bytes) at
+    its rc events, per exact option at or above its ``min_ratio`` (the MILP's ``r >= min_ratio·y``); one free
+    level of ratio 1 for a module that costs nothing to recompute. :class:`TreeDpGaveUp` for trade-off lines."""
+    o = problem.options(c.slot)
+    if o is None:
+        if c.recompute_ms > 0:
+            raise TreeDpGaveUp(f"candidate {c.fqn!r} has no exact options (continuous trade-off lines)")
+        return np.array([1.0]), np.array([0.0]), np.zeros(1)
+    ok = np.asarray(o.ratio) >= c.min_ratio
+    ratio = np.asarray(o.ratio, dtype=float)[ok]
+    q = (c.calls * c.recompute_ms * np.asarray(o.frac, dtype=float))[ok]
+    surge = np.asarray(problem.surge(c.slot), dtype=float)[ok] if problem.surge(c.slot) else np.zeros(len(ratio))
+    return ratio, q, surge
+
+
+def exact_check(problem: SacProblem, budget: float, y: np.ndarray, r: np.ndarray, dp_cost: float) -> float | None:
+    """The exact cost (ms) of a DP's decision ``(y, r)`` when it nests, fits ``budget`` in exact bytes
+    (:meth:`~sacplan.solver.problem.SacProblem.peak`) and costs what the DP summed (``dp_cost``); else None."""
+    cost = problem.cost(y, r)
+    if not problem.nesting_ok(y) or problem.peak(y, r) > budget or abs(cost - dp_cost) > 1e-9 * (1.0 + abs(cost)):
+        return None
+    return cost
 
 
 class Front:
@@ -204,26 +241,14 @@ class TreeDp:
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
         C, Y = problem.linear_terms()
-        self.binding = np.nonzero(problem.ev_base + np.clip(Y, 0, None).sum(1) + problem.surge_top() > budget)[0]
+        self.binding = binding_events(problem, budget)
         K = len(self.binding)
-        if K > MAX_SCREENED:
-            raise TreeDpGaveUp(f"{K} events can exceed the budget (> {MAX_SCREENED} to screen)")
         self.need = problem.ev_base[self.binding] - float(budget)
         self.opts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per slot: ratios, costs ms, v (k × K)
         for c in problem.candidates:
-            o = problem.options(c.slot)
-            if o is None:
-                if c.recompute_ms > 0:
-                    raise TreeDpGaveUp(f"candidate {c.fqn!r} has no exact options (continuous trade-off lines)")
-                ratio, q, ok = np.array([1.0]), np.array([0.0]), np.array([True])
-            else:
-                ok = np.asarray(o.ratio) >= c.min_ratio  # the MILP's r >= min_ratio·y
-                ratio = np.asarray(o.ratio, dtype=float)[ok]
-                q = (c.calls * c.recompute_ms * np.asarray(o.frac, dtype=float))[ok]
+            ratio, q, surge = levels(problem, c)
             sg = np.zeros((len(ratio), K))
-            for j, e in enumerate(self.binding):
-                if problem.ev_surge[e] == c.slot:
-                    sg[:, j] = np.asarray(problem.surge(c.slot), dtype=float)[ok]
+            sg[:, problem.ev_surge[self.binding] == c.slot] = surge[:, None]
             v = C[self.binding, c.slot][None, :] * ratio[:, None] - Y[self.binding, c.slot][None, :] - sg
             self.opts.append((ratio, q, v))
         self.reduce_events()
@@ -432,10 +457,10 @@ def solve_tree_dp(
             why.append("no point meets the budget (infeasible over these options)")
         return None
     y, r, dp_cost = out
-    cost = problem.cost(y, r)
-    if not problem.nesting_ok(y) or problem.peak(y, r) > budget or abs(cost - dp_cost) > 1e-9 * (1.0 + abs(cost)):
+    cost = exact_check(problem, budget, y, r, dp_cost)
+    if cost is None:
         if why is not None:
             why.append("the DP's point failed the exact check (within float slack of the budget)")
         return None
     return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
-                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0)
+                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)

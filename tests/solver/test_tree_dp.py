@@ -148,11 +148,14 @@ def test_gives_up(monkeypatch):
         time.sleep(0.01)
         assert gave_up(P, budget) == "wall-clock safety net (time limit)"
     assert stops == [(limits.WALL_CLOCK, "tree DP")]
-    # solve runs the MILP as before, and says why the DP did not apply
+    # solve runs the chain DP (test_chain_dp), or without it the MILP as before, and says why the DP did not apply
     monkeypatch.setattr(dp_mod, "MAX_BINDING", 1)
-    plan = solve(tree, budget)
-    assert plan.status == "optimal" and plan.meta["proved_by"] != "tree-dp"
+    plan = solve(tree, budget, options=SolverOptions(chain_dp=False))
+    assert plan.status == "optimal" and plan.meta["proved_by"] not in ("tree-dp", "chain-dp")
     assert plan.meta["tree_dp"].startswith("more than 1 of")
+    plan = solve(tree, budget)
+    assert plan.status == "optimal" and plan.meta["proved_by"] == "chain-dp"
+    assert plan.meta["tree_dp_gave_up"].startswith("more than 1 of")
 
 
 def test_pareto_keeps_its_work_limit_on_large_fronts():

@@ -1,0 +1,402 @@
+r"""Exact DP over sequential blocks, for trees where many events can bind (the trees users bring, issue 26).
+
+The tree DP (:mod:`sacplan.solver.tree_dp`) keeps, per subtree, the Pareto front of (cost, contribution at every
+binding event): exact, but hopeless past ~16 binding events, and BERT-large, ViT-L, GPT-2 XL have hundreds. Yet
+a checkpointed candidate ``s`` at level ``k`` contributes ``v_{s,k}[e] = C[e,s]·ρ_k - Y[e,s] - surge`` bytes
+(:meth:`~sacplan.solver.problem.SacProblem.linear_terms`) and, at most events, that is one of two numbers:
+
+* **held**: ``C[e,s] = A_s`` (all its calls' activation bytes) and ``Y[e,s] = o_s`` (its per-call overhead) —
+  between the end of its forward and the start of its backward — contributing ``h_{s,k} = A_s·ρ_k - o_s``;
+* **zero**: ``C[e,s] = Y[e,s] = 0`` — before its forward ends, after its backward;
+
+and **internal** (anything else: inside its backward, its rc events, its surge) at few. For a subtree ``P`` let
+``I_P`` be the events where its candidates are not all held and not all zero (a candidate with ``A_s = o_s = 0``
+counts as both): outside ``I_P`` every decision of ``P`` contributes one scalar, its held bytes ``h`` (or 0). So
+the front of ``P`` needs only three numbers per decision: cost ``q`` (ms, ↓), held bytes ``h`` (↑) and its
+requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓): the decision meets every event of
+``I_P`` iff what the candidates outside ``P`` add there — one offset ``O``, the same at every event of ``I_P``
+(below) — is ``>= ρ``.
+
+* ``P`` checkpointed at level ``k`` (its descendants not): ``(q_k, h_{P,k}, max_{e∈I_P}(need[e] - v_{P,k}[e]))``.
+* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P``
+  the children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}``
+  exactly the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked, else the DP
+  gives up). So the DP sweeps the children keeping the Pareto set of states ``(cost ↓, H ↑, R ↓)``: ``H`` the
+  held bytes of the children so far, ``R`` the largest requirement so far relative to ``O``. Adding child ``j``'s
+  point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event of ``I_P`` with prefix ``t`` and no
+  child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update is monotone in the state, so a
+  dominated state never leads to a better plan: the Pareto filter is exact. The chain's end ``(cost, H, R)`` is
+  ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are held (before ``j``) or zero
+  (after): a uniform offset, as claimed above, by induction from the root.
+* The root: the chain of the top-level candidates over every binding event with offset 0; the cheapest final
+  state with ``R <= tol`` is the optimum.
+
+Pruning (exact): ``R`` above the largest offset the outside can give (the sum of the held upper bounds of what is
+held there) plus ``tol`` can never be met. Fronts are 3-D (2-D filters on (H, -R) by cost), so they stay small
+whatever the number of binding events. Float sums differ from the exact model by far less than ``tol``
+(:data:`~sacplan.solver.tree_dp.TOL_REL`); the optimum found is re-checked by
+:meth:`~sacplan.solver.problem.SacProblem.peak` and ``cost`` (:func:`~sacplan.solver.tree_dp.exact_check`) and
+trusted only then. Work is counted (pairs formed, points filtered), never timed: the DP gives up at the same
+point on every run (:data:`WORK`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from sacplan.solver import limits
+from sacplan.solver.problem import SacProblem
+from sacplan.solver.tree_dp import (
+    MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
+)
+
+#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered;
+#: measured in RESULTS.md "The trees users bring": the largest proof there spends a few percent of it)
+WORK = 300_000_000
+#: relative gaps above the Lagrangian bound tried in turn as the pruning threshold (each pass exact; the last
+#: guess that finds a plan proves it)
+GUESSES = (0.002, 0.01, 0.04, 0.16, 0.64)
+#: golden-section steps for the Lagrangian multiplier (each shrinks the interval by 0.618)
+GOLDEN_STEPS = 60
+#: state × point pairs formed at once (memory of one chunk: a few arrays of this length)
+CHUNK_PAIRS = 1_000_000
+
+#: (slot, level) pairs checkpointed by one point of a front
+Recover = Callable[[int], list[tuple[int, int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Front3:
+    """Pareto points of one subtree: recompute ``cost`` (ms), ``held`` bytes outside its internal events,
+    requirement ``req`` (bytes the outside must add there); ``recover(i)`` lists what point ``i`` checkpoints."""
+
+    cost: np.ndarray
+    held: np.ndarray
+    req: np.ndarray
+    recover: Recover
+
+
+class ChainDp:
+    """One run of the chain DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
+
+    def __init__(self, problem: SacProblem, budget: float, work: int | None = WORK) -> None:
+        if not problem.exact:
+            raise TreeDpGaveUp("not exact mode")
+        self.P, self.sizes, self.work, self.budget = problem, [], 0, float(budget)
+        self.work_max = math.inf if work is None else work
+        self.binding = binding_events(problem, budget)
+        self.need = problem.ev_base[self.binding] - float(budget)
+        C, Y = problem.linear_terms()
+        self.C, self.Y = C[self.binding], Y[self.binding]
+        n = problem.num_candidates
+        self.levels = [levels(problem, c) for c in problem.candidates]
+        self.A = np.bincount(problem.fw_slot, weights=problem.fw_amt, minlength=n)[:n]
+        self.o = np.bincount(problem.fw_slot, weights=problem.fw_over, minlength=n)[:n]
+        #: per slot, where its (first) forward ends in the forward post-order: the chain order of siblings
+        self.fw_end = np.full(n, len(problem.fw_slot), dtype=np.int64)
+        np.minimum.at(self.fw_end, problem.fw_slot, np.arange(len(problem.fw_slot)))
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        self.top: list[int] = []
+        for c in problem.candidates:
+            (self.top if c.parent_slot < 0 else self.children[c.parent_slot]).append(c.slot)
+        self.masks()
+        scale = float(np.max(np.abs(self.need), initial=0.0) + self.A.sum() + self.o.sum() + np.max(problem.ev_base))
+        self.tol = TOL_REL * scale + 1e-9
+        # every candidate adds at least -(its largest Y and surge) anywhere (C >= 0): a held sum at or above hcap
+        # meets every event whatever the others do, so held bytes are clamped there (exact: module docstring)
+        low = np.minimum(0.0, -self.Y.max(0, initial=0.0) - np.array([np.max(lv[2], initial=0.0) for lv in self.levels]))
+        self.hcap = max(0.0, float(np.max(self.need, initial=0.0) - low.sum())) + self.tol
+        #: the pruning bound (module docstring): the most binding event, its multiplier (ms per byte), each
+        #: subtree's Lagrangian cost (ms), the incumbent's cost (ms), and whether this is the incumbent's pass
+        self.estar = int(np.argmax(self.need)) if len(self.need) else -1
+        self.lam, self.lbest = 0.0, np.zeros(n)
+        self.incumbent, self.lb_slack, self.beam = math.inf, 0.0, False
+
+    def spend(self, units: int) -> None:
+        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
+        wall-clock safety net fires."""
+        self.work += int(units)
+        if self.work > self.work_max:
+            raise TreeDpGaveUp(f"chain DP work limit ({self.work_max:,} units)")
+        if limits.past_deadline("chain DP"):
+            raise TreeDpGaveUp("wall-clock safety net (time limit)")
+
+    def masks(self) -> None:
+        """Per slot, over the binding events: ``held_all`` / ``zero_all`` (every candidate of its subtree held /
+        zero there; ``I_P`` is where neither is), and ``hmax``, an upper bound of the subtree's held bytes."""
+        n, surge = self.P.num_candidates, self.P.ev_surge[self.binding]
+        self.held_all: list[np.ndarray] = [np.zeros(0, bool)] * n
+        self.zero_all: list[np.ndarray] = [np.zeros(0, bool)] * n
+        self.hmax, self.hmin = np.zeros(n), np.zeros(n)
+        for s in reversed(range(n)):  # pre-order slots: children before parents
+            plain = surge != s
+            zero = plain & (self.C[:, s] == 0) & (self.Y[:, s] == 0)
+            free = self.A[s] == 0 and self.o[s] == 0  # held and zero are the same: 0 bytes
+            held = zero.copy() if free else plain & (self.C[:, s] == self.A[s]) & (self.Y[:, s] == self.o[s])
+            ratio = self.levels[s][0]
+            own = float(np.max(self.A[s] * ratio - self.o[s], initial=0.0))
+            for c in self.children[s]:
+                held &= self.held_all[c]
+                zero &= self.zero_all[c]
+            self.held_all[s], self.zero_all[s] = held, zero
+            self.hmax[s] = max(own, float(sum(self.hmax[c] for c in self.children[s])), 0.0)
+            low = float(np.min(self.A[s] * ratio - self.o[s], initial=0.0))
+            self.hmin[s] = min(low, float(sum(self.hmin[c] for c in self.children[s])), 0.0)
+
+    def internal(self, s: int) -> np.ndarray:
+        """``I_s``: the binding events (indices) where ``s``'s subtree is neither all held nor all zero."""
+        return np.nonzero(~(self.held_all[s] | self.zero_all[s]))[0]
+
+    # -- fronts ---------------------------------------------------------------------------------------------
+    def reduce(self, cost: np.ndarray, held: np.ndarray, req: np.ndarray, out: tuple[float, float]) -> np.ndarray:
+        """Indices of the points that can still be met and are not dominated, when the outside adds between
+        ``out = (omin, omax)`` bytes: ``req`` below ``omin`` is raised to it and ``held`` above :attr:`hcap`
+        lowered to it (in place; both exact, module docstring), points with ``req > omax + tol`` dropped."""
+        np.maximum(req, out[0], out=req)
+        np.minimum(held, self.hcap, out=held)
+        ok = np.nonzero(req <= out[1] + self.tol)[0]
+        self.spend(3 * len(ok))
+        keep = ok[pareto(cost[ok], np.stack([held[ok], -req[ok]], axis=1), self.spend)]
+        if self.beam and len(keep):
+            keep = keep[self.thin(cost[keep], held[keep], req[keep])]
+        self.sizes.append(len(keep))
+        if len(keep) > MAX_FRONT:
+            raise TreeDpGaveUp(f"a chain front reached {len(keep)} points (> {MAX_FRONT})")
+        return keep
+
+    def node(self, s: int, out: tuple[float, float], rest: float) -> Front3:
+        """The front of slot ``s``'s subtree whose outside adds ``out = (omin, omax)`` bytes at its internal
+        events, and whose outside's Lagrangian cost is at least ``rest`` (ms, :meth:`lagrangian`)."""
+        events = self.internal(s)
+        ratio, q, surge = self.levels[s]
+        v = self.C[events, s][None, :] * ratio[:, None] - self.Y[events, s][None, :]
+        v -= (self.P.ev_surge[self.binding[events]] == s)[None, :] * surge[:, None]
+        own_req = np.max(self.need[events][None, :] - v, axis=1, initial=-math.inf)
+        own_held = self.A[s] * ratio - self.o[s]
+        kids = self.chain(self.children[s], events, out, rest)
+        cost = np.concatenate([q, kids.cost])
+        held = np.concatenate([own_held, kids.held])
+        req = np.concatenate([own_req, kids.req])
+        keep = self.reduce(cost, held, req, out)
+        nq = len(q)
+
+        def recover(i: int) -> list[tuple[int, int]]:
+            j = int(keep[i])
+            return [(s, j)] if j < nq else kids.recover(j - nq)
+
+        return Front3(cost[keep], held[keep], req[keep], recover)
+
+    def order(self, kids: list[int], events: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """``kids`` in chain order and, per event of ``events``, the kid internal there (-1: none) and the prefix
+        of held kids; :class:`TreeDpGaveUp` when the events do not see the kids as a sequential chain."""
+        held = np.array([self.held_all[k][events] for k in kids]).reshape(len(kids), len(events)).T
+        zero = np.array([self.zero_all[k][events] for k in kids]).reshape(len(kids), len(events)).T
+        self.spend(2 * held.size)
+        rank = np.argsort([self.fw_end[k] for k in kids], kind="stable")  # forward order
+        kids = [kids[i] for i in rank]
+        held, zero = held[:, rank], zero[:, rank]
+        inside = ~(held | zero)
+        if (inside.sum(1) > 1).any():
+            raise TreeDpGaveUp("not a sequential chain: two sibling subtrees are both inside at one event")
+        who = np.where(inside.any(1), np.argmax(inside, axis=1), -1)
+        # the prefix: the first kid that is not held (a kid both held and zero holds 0 bytes: it fits either way)
+        first_not_held = np.where((~held).any(1), np.argmax(~held, axis=1), len(kids))
+        prefix = np.where(who >= 0, who, first_not_held)
+        pos = np.arange(len(kids))[None, :]
+        expect_held = pos < prefix[:, None]
+        ok = np.where(expect_held, held, zero) | (pos == who[:, None])
+        if not ok.all():
+            raise TreeDpGaveUp("not a sequential chain: the held siblings at an event are not a prefix")
+        return kids, who, prefix
+
+    def chain(self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float) -> Front3:
+        """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's
+        ``I``), whose outside adds ``out = (omin, omax)`` bytes there and costs at least ``rest`` in the
+        Lagrangian (see the module docstring and :meth:`lagrangian`)."""
+        if not kids:
+            return Front3(np.zeros(1), np.zeros(1), np.array([np.max(self.need[events], initial=-math.inf)]),
+                          lambda i: [])
+        kids, who, prefix = self.order(kids, events)
+        fneed = np.full(len(kids) + 1, -math.inf)  # per step: the largest need of the events with no kid inside
+        np.maximum.at(fneed, prefix[who < 0], self.need[events][who < 0])
+        cost, held, req = np.zeros(1), np.zeros(1), np.full(1, -math.inf)
+        steps: list[tuple[np.ndarray, np.ndarray, Front3]] = []
+        lo, hi = out  # bounds of what the outside and the kids so far add at the next kid's events
+        best = np.array([self.lbest[k] for k in kids])
+        after = rest + (best.sum() - np.cumsum(best))  # Lagrangian cost of the kids after each one, and outside
+        slopes = self.slopes(kids)
+        for j, k in enumerate(kids):
+            req = np.maximum(req, fneed[j] - held)
+            front = self.node(k, (lo, hi), rest + best.sum() - best[j])
+            lo, hi = lo + self.hmin[k], hi + self.hmax[k]
+            ia, ib = self.pairs(held, req, front, out[1], (slopes[j], after[j], cost))
+            c2, h2, r2 = cost[ia] + front.cost[ib], held[ia] + front.held[ib], np.maximum(req[ia], front.req[ib] - held[ia])
+            keep = self.reduce(c2, h2, r2, out)
+            cost, held, req = c2[keep], h2[keep], r2[keep]
+            steps.append((ia[keep], ib[keep], front))
+        req = np.maximum(req, fneed[-1] - held)
+        last = self.reduce(cost, held, req, out)
+
+        def recover(i: int) -> list[tuple[int, int]]:
+            out: list[tuple[int, int]] = []
+            i = int(last[i])
+            for ia, ib, front in reversed(steps):
+                out += front.recover(int(ib[i]))
+                i = int(ia[i])
+            return out
+
+        return Front3(cost[last], held[last], req[last], recover)
+
+    def pairs(
+        self, held: np.ndarray, req: np.ndarray, front: Front3, omax: float, bound: tuple[float | None, float, np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(state, point) index pairs whose combined requirement ``max(req, point.req - held)`` can still be met
+        (``<= omax + tol``) and whose Lagrangian bound does not exceed the incumbent: ``bound = (slope, rest,
+        cost)``, the pair's bound ``cost + point.cost - slope·(held + point.held) + rest`` (ms; slope None: no
+        bound). Formed in chunks of at most :data:`CHUNK_PAIRS`."""
+        slope, after, cost = bound
+        cut = None if slope is None or not math.isfinite(self.incumbent) else (
+            self.incumbent + self.lb_slack - after - self.lam * float(self.need[self.estar]))
+        nb = len(front.cost)
+        rows = max(1, CHUNK_PAIRS // max(1, nb))
+        ia_parts, ib_parts = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for lo in range(0, len(held), rows):
+            hi = min(len(held), lo + rows)
+            self.spend(3 * (hi - lo) * nb)
+            ok = np.maximum(req[lo:hi, None], front.req[None, :] - held[lo:hi, None]) <= omax + self.tol
+            if cut is not None:
+                ok &= (cost[lo:hi, None] - slope * held[lo:hi, None]) + (front.cost - slope * front.held)[None, :] <= cut
+            a, b = np.nonzero(ok)
+            ia_parts.append(a + lo)
+            ib_parts.append(b)
+        return np.concatenate(ia_parts), np.concatenate(ib_parts)
+
+    def star(self, s: int) -> np.ndarray:
+        """Per level of slot ``s``, what it contributes at the most binding event ``estar`` (bytes)."""
+        ratio, _, surge = self.levels[s]
+        e = self.estar
+        return self.C[e, s] * ratio - self.Y[e, s] - (surge if self.P.ev_surge[self.binding[e]] == s else 0.0)
+
+    def lagrangian(self, lam: float) -> tuple[float, np.ndarray]:
+        """The Lagrangian bound of the event ``estar`` at multiplier ``lam`` (ms per byte): ``lam·need + Σ_top
+        best``, with ``best(s) = min(0, min_k q_k - lam·v_k, Σ_children best)`` per subtree (ms; 0: nothing
+        checkpointed). A lower bound of every plan's cost, for every ``lam >= 0``."""
+        best = np.zeros(self.P.num_candidates)
+        for s in reversed(range(self.P.num_candidates)):
+            own = float(np.min(self.levels[s][1] - lam * self.star(s), initial=0.0))
+            best[s] = min(own, float(sum(best[c] for c in self.children[s])), 0.0)
+        return lam * float(self.need[self.estar]) + float(sum(best[s] for s in self.top)), best
+
+    def multiplier(self) -> float:
+        """The multiplier that maximises :meth:`lagrangian` (golden-section search on the concave bound, a fixed
+        number of steps: deterministic), into ``lam`` and ``lbest``; returns the bound (ms)."""
+        ratios = []  # past the largest cost per byte at estar, the bound only falls
+        for s, (_, q, _) in enumerate(self.levels):
+            v = self.star(s)
+            ratios.append(float(np.max(q[v > 0] / v[v > 0], initial=0.0)))
+        a, b = 0.0, 2.0 * max(ratios, default=0.0) + 1e-30
+        g = (math.sqrt(5.0) - 1.0) / 2.0
+        for _ in range(GOLDEN_STEPS):
+            x1, x2 = b - g * (b - a), a + g * (b - a)
+            if self.lagrangian(x1)[0] >= self.lagrangian(x2)[0]:
+                b = x2
+            else:
+                a = x1
+            self.spend(2 * self.P.num_candidates)
+        self.lam = a
+        bound, self.lbest = self.lagrangian(a)
+        return bound
+
+    def slopes(self, kids: list[int]) -> list[float | None]:
+        """Per step of the chain ``kids``, what the states' held bytes count at ``estar`` in their bound: ``lam``
+        when every kid so far is held there, 0 when every one is zero there, None (no bound) otherwise."""
+        out: list[float | None] = []
+        all_held = all_zero = True
+        for k in kids:
+            all_held &= bool(self.held_all[k][self.estar])
+            all_zero &= bool(self.zero_all[k][self.estar])
+            out.append(self.lam if all_held else 0.0 if all_zero else None)
+        return out
+
+    def solve(self) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """(y, r, DP cost ms) of the cheapest plan meeting every binding event within ``tol``; None when none does.
+        Two passes: a few points per front (:meth:`thin`) for an incumbent (checked exactly), then the exact
+        pass, pruned by the incumbent and the Lagrangian bound."""
+        n = self.P.num_candidates
+        if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
+            return np.zeros(n), np.zeros(n), 0.0
+        bound = self.multiplier()
+        self.beam = True
+        first = self.best()
+        self.beam = False
+        known = None if first is None else exact_check(self.P, self.budget, *first)
+        for gap in GUESSES:  # exact at every guess: a plan found within it is the optimum (module docstring)
+            guess = bound + gap * (abs(bound) + 1e-9)
+            self.incumbent = guess if known is None else min(known, guess)
+            self.lb_slack = 1e-9 * (1.0 + abs(self.incumbent)) + self.lam * self.tol
+            found = self.best()
+            if found is not None and found[2] <= self.incumbent + self.lb_slack:  # else pruned: maybe not the best
+                return found
+            if known is not None and known <= guess:  # every other plan's bound exceeds it: it is the optimum
+                return first
+        self.incumbent = math.inf
+        return self.best()
+
+    def thin(self, cost: np.ndarray, held: np.ndarray, req: np.ndarray) -> np.ndarray:
+        """The incumbent pass's few points of a front: the most held, the least required, and for multipliers
+        around ``lam`` the cheapest in ``cost - μ·held`` and in ``cost - μ·(held - req)`` (indices, ascending)."""
+        pick = {int(np.argmax(held)), int(np.argmin(req))}
+        for i in range(-4, 9):
+            mu = self.lam * 2.0 ** i
+            pick.add(int(np.argmin(cost - mu * held)))
+            pick.add(int(np.argmin(cost - mu * (held - req))))
+        return np.array(sorted(pick), dtype=np.int64)
+
+    def best(self) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """One pass of the DP (see :meth:`solve`): the cheapest root point meeting every event, or None."""
+        n = self.P.num_candidates
+        y, r = np.zeros(n), np.zeros(n)
+        root = self.chain(self.top, np.arange(len(self.need)), (0.0, 0.0), 0.0)
+        ok = np.nonzero(root.req <= self.tol)[0]
+        if not len(ok):
+            return None
+        i = int(ok[np.argmin(root.cost[ok])])
+        for s, k in root.recover(i):
+            y[s], r[s] = 1.0, float(self.levels[s][0][k])
+        return y, r, float(root.cost[i])
+
+
+def solve_chain_dp(
+    problem: SacProblem, budget: float, work: int | None = WORK, why: list[str] | None = None
+) -> TreeDpResult | None:
+    """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the chain DP, or None when it does not
+    apply (not a sequential chain, lines mode), exceeds ``work`` units (:data:`WORK`; None: no limit) or the
+    wall-clock safety net, finds no feasible point, or its point fails the exact check; the reason is appended
+    to ``why``."""
+    t0 = time.monotonic()
+    try:
+        dp = ChainDp(problem, budget, work)
+        out = dp.solve()
+    except TreeDpGaveUp as e:
+        return _gave_up(why, str(e))
+    except MemoryError:
+        return _gave_up(why, "out of memory")
+    if out is None:
+        return _gave_up(why, "no point meets the budget (infeasible over these options)")
+    y, r, dp_cost = out
+    cost = exact_check(problem, budget, y, r, dp_cost)
+    if cost is None:
+        return _gave_up(why, "the DP's point failed the exact check (within float slack of the budget)")
+    return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
+                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
+
+
+def _gave_up(why: list[str] | None, reason: str) -> None:
+    if why is not None:
+        why.append(reason)
+    return None

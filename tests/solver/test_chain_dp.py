@@ -1,0 +1,118 @@
+"""The chain DP (:mod:`sacplan.solver.chain_dp`) against the brute force over options, the tree DP and the MILP.
+
+* on random small trees with exact options, wherever it applies, its optimum equals the brute force of
+  ``test_exact`` over every non-nested set of units × options (and it finds nothing where nothing fits), and
+  the tree DP's;
+* on repeated-block trees with more binding events than the tree DP takes (llama blocks near the minimum budget),
+  ``solve`` proves the plan with it (``proved_by == "chain-dp"``, status optimal) within its *work* limit, equal to
+  the MILP's proven optimum, with the same plan and work count on every run;
+* ``chain_dp=False`` is main's path (tree DP, then the MILP); ``tree_dp=False`` is the MILP alone.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from sacplan.solver import SolverOptions, solve
+from sacplan.solver import chain_dp as chain_mod
+from sacplan.solver import tree_dp as dp_mod
+from sacplan.solver.chain_dp import solve_chain_dp
+from sacplan.solver.milp import baseline_peak, min_feasible_budget
+from sacplan.solver.problem import SacProblem
+from sacplan.solver.tree_dp import solve_tree_dp
+from sacplan.testing.llama_tree import llama_spec
+from sacplan.testing.synthetic import build_tree
+from oracles import brute_over_options, option_sets, oracle, random_option_spec
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(seed=st.integers(0, 2**31 - 1), u=st.floats(0.0, 1.0))
+def test_chain_dp_equals_brute_force_over_options(seed, u):
+    tree = build_tree(random_option_spec(random.Random(seed)))
+    cands, base, C, X = oracle(tree, None)
+    assume(cands)
+    baseline = float(np.max(base))
+    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+    assume(min_peak < baseline - 1)
+    budget = int(min_peak - 1 + u * (baseline - min_peak))  # a few budgets below the minimum: infeasible
+    brute, _ = brute_over_options(tree, cands, base, C, X, budget, option_sets(cands))
+    why: list[str] = []
+    res = solve_chain_dp(SacProblem(tree, exact=True), budget, None, why)
+    if res is None and why[0].startswith("not a sequential chain"):
+        event("not a sequential chain")  # repeated calls: the MILP's case
+        return
+    event("applies")
+    if math.isinf(brute):
+        assert res is None and why[0].startswith(("no point meets the budget", "the DP's point failed the exact"))
+        return
+    assert res is not None, why
+    assert res.cost_ms == pytest.approx(brute, rel=1e-9, abs=1e-9)
+    P = SacProblem(tree, exact=True)
+    assert P.peak(res.y, res.r) <= budget and P.nesting_ok(res.y)
+    with mock.patch.object(dp_mod, "MAX_BINDING", 10**6), mock.patch.object(dp_mod, "WIDE", 10**6):
+        tree_res = solve_tree_dp(P, budget, None)
+    assert tree_res is not None and tree_res.cost_ms == pytest.approx(res.cost_ms, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("n_blocks, frac", [(4, 0.1), (4, 0.5), (8, 0.5), (8, 0.9)])
+def test_equals_tree_dp_on_identical_blocks(n_blocks, frac):
+    tree = build_tree(llama_spec(n_blocks))
+    lo, hi = min_feasible_budget(tree), baseline_peak(tree)
+    budget = int(lo + frac * (hi - lo))
+    tree_res = solve_tree_dp(SacProblem(tree, exact=True), budget, None)
+    res = solve_chain_dp(SacProblem(tree, exact=True), budget)
+    assert tree_res is not None and res is not None
+    assert res.cost_ms == pytest.approx(tree_res.cost_ms, rel=1e-9, abs=1e-12)
+
+
+def test_proves_repeated_blocks_past_the_tree_dp_by_work():
+    """Eight identical blocks at 10% of the way from the minimum budget to the peak: hundreds of events can bind
+    (the tree DP gives up past 16); the chain DP proves the optimum within its work limit (counted, not timed),
+    the same plan and the same count on every run, equal to the MILP's proven optimum."""
+    tree = build_tree(llama_spec(8))
+    lo, hi = min_feasible_budget(tree), baseline_peak(tree)
+    budget = int(lo + 0.1 * (hi - lo))
+    why: list[str] = []
+    assert solve_tree_dp(SacProblem(tree, exact=True), budget, why=why) is None
+    assert why[0].startswith("more than 16 of")
+    # no wall clock at all: only the work limit can end the search
+    plans = [solve(tree, f"{budget}B", options=SolverOptions(time_limit_s=None)) for _ in range(2)]
+    for plan in plans:
+        assert plan.status == "optimal" and plan.gap == 0.0 and plan.meta["proved_by"] == "chain-dp"
+        assert plan.meta["tree_dp_gave_up"].startswith("more than 16 of")
+        assert 0 < plan.meta["tree_dp"]["work"] <= chain_mod.WORK
+        assert plan.meta["tree_dp"]["binding_events"] > 16
+        assert plan.predicted_peak_bytes <= budget
+    assert plans[0].to_dict(timings=False) == plans[1].to_dict(timings=False)
+    assert plans[0].meta["tree_dp"]["work"] == plans[1].meta["tree_dp"]["work"]
+    milp = solve(tree, f"{budget}B", options=SolverOptions(gap_rel=1e-9, tree_dp=False))
+    assert milp.status == "optimal" and milp.meta["proved_by"] not in ("tree-dp", "chain-dp")
+    assert plans[0].objective_ms == pytest.approx(milp.objective_ms, rel=1e-7, abs=1e-9)
+    # main's path: the chain DP off, the MILP proves it as before
+    old = solve(tree, f"{budget}B", options=SolverOptions(chain_dp=False, gap_rel=1e-9))
+    assert old.meta["proved_by"] not in ("tree-dp", "chain-dp") and "chain_dp" not in old.meta
+    assert old.objective_ms == pytest.approx(plans[0].objective_ms, rel=1e-7, abs=1e-9)
+
+
+def test_work_limit_and_give_up_reasons(monkeypatch):
+    tree = build_tree(llama_spec(8))
+    lo, hi = min_feasible_budget(tree), baseline_peak(tree)
+    budget = int(lo + 0.1 * (hi - lo))
+    why: list[str] = []
+    assert solve_chain_dp(SacProblem(tree, exact=True), budget, work=1000, why=why) is None
+    assert why == ["chain DP work limit (1,000 units)"]
+    # past its work limit, solve says why both DPs gave up and runs the MILP
+    monkeypatch.setattr(solve_chain_dp, "__defaults__", (1000, None))  # its default work limit
+    plan = solve(tree, f"{budget}B", gap_rel=1e-9)
+    assert plan.meta["proved_by"] not in ("tree-dp", "chain-dp")
+    assert plan.meta["tree_dp"].startswith("more than 16 of") and plan.meta["chain_dp"].startswith("chain DP work")
+    lines = SacProblem(tree)  # lines mode: no exact options
+    why = []
+    assert solve_chain_dp(lines, budget, why=why) is None and why == ["not exact mode"]
