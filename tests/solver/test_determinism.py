@@ -1,7 +1,7 @@
 """The same stats and budget give the same plan, byte for byte, on every run, in every process and under any load
 (issue 26): ranks of a job that plan for themselves must agree, or their checkpointing (and collectives) differ.
 
-Every search here is ended by counted work (branch-and-bound nodes, the tree DP's work units), never by the wall
+Every search here is ended by counted work (branch-and-bound nodes, the tree and chain DPs' work units), never by the wall
 clock, which is only a safety net: a competing process burning CPU must not change a byte of the plan. No
 assertion is on wall-clock time.
 """
@@ -31,6 +31,7 @@ CASES = {
     "work limit (cbc)": (32, 0.3, dict(tree_dp=False, work_limit=1, solver="cbc")),
     "milp optimum": (8, 0.3, dict(tree_dp=False)),
     "tree dp": (8, 0.3, dict()),
+    "chain dp": (8, 0.1, dict()),
     "lines": (8, 0.3, dict(exact=False)),
 }
 
@@ -59,6 +60,7 @@ def test_a_work_limit_stops_the_search_at_the_same_point_under_load():
     assert stopped["meta"]["stopped_by"] == ["work limit: sacplan_sac"]
     assert json.loads(first["work limit (cbc)"])["meta"]["stopped_by"] == ["work limit: sacplan_sac"]
     assert json.loads(first["tree dp"])["meta"]["proved_by"] == "tree-dp"
+    assert json.loads(first["chain dp"])["meta"]["proved_by"] == "chain-dp"
     burners = [_burner() for _ in range(2)]
     try:
         again = {c: plan_json(c) for c in CASES}
