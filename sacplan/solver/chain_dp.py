@@ -31,13 +31,27 @@ requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓): t
 * The root: the chain of the top-level candidates over every binding event with offset 0; the cheapest final
   state with ``R <= tol`` is the optimum.
 
-Pruning (exact): ``R`` above the largest offset the outside can give (the sum of the held upper bounds of what is
-held there) plus ``tol`` can never be met. Fronts are 3-D (2-D filters on (H, -R) by cost), so they stay small
-whatever the number of binding events. Float sums differ from the exact model by far less than ``tol``
-(:data:`~sacplan.solver.tree_dp.TOL_REL`); the optimum found is re-checked by
-:meth:`~sacplan.solver.problem.SacProblem.peak` and ``cost`` (:func:`~sacplan.solver.tree_dp.exact_check`) and
-trusted only then. Work is counted (pairs formed, points filtered), never timed: the DP gives up at the same
-point on every run (:data:`WORK`).
+Pruning, all exact:
+
+* ``R`` above the largest offset the outside can give (the sum of the held upper bounds of what is held there)
+  plus ``tol`` can never be met; ``R`` below the smallest (the held lower bounds) is met by every completion, so
+  it is raised to it; a held sum above ``hcap`` (the largest need minus every candidate's most negative
+  contribution) meets every event it enters whatever the rest does, so it is lowered to it.
+* A bound: for the most binding event ``e*`` and a multiplier ``λ >= 0`` (bytes → ms), the Lagrangian
+  ``λ·need[e*] + Σ_s min(0, min_k q_{s,k} - λ·v_{s,k}[e*], children)`` is a lower bound of every plan's cost
+  (``λ`` maximises it: golden-section search, a fixed number of steps). A state of a chain whose kids so far are
+  all held at ``e*`` (contributing ``H`` there) can lead to no plan cheaper than ``cost - λ·H + λ·need[e*] +``
+  the Lagrangian minima of everything not yet decided; states above a threshold ``U`` go. With ``U`` the cost
+  of a plan known to fit, the pass is exact. The incumbent comes from a first pass that keeps a few points per
+  front (:meth:`ChainDp.thin`); ``U`` is tried first at small gaps above the bound (:data:`GUESSES`): a pass
+  that finds a plan costing at most ``U`` has found the optimum (every pruned state's plans cost more than
+  ``U``), one that finds none proves the optimum costs more than ``U`` and the next guess is tried.
+
+Fronts are 3-D (2-D filters on (H, -R) by cost), so they stay small whatever the number of binding events.
+Float sums differ from the exact model by far less than ``tol`` (:data:`~sacplan.solver.tree_dp.TOL_REL`); the
+optimum found is re-checked by :meth:`~sacplan.solver.problem.SacProblem.peak` and ``cost``
+(:func:`~sacplan.solver.tree_dp.exact_check`) and trusted only then. Work is counted (pairs formed, points
+filtered, bound evaluations), never timed: the DP gives up at the same point on every run (:data:`WORK`).
 """
 
 from __future__ import annotations
@@ -55,9 +69,11 @@ from sacplan.solver.tree_dp import (
     MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
 )
 
-#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered;
-#: measured in RESULTS.md "The trees users bring": the largest proof there spends a few percent of it)
-WORK = 300_000_000
+#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered).
+#: Measured (benchmarks/RESULTS.md, "The trees users bring"): the user trees' proofs spend 18-122 million units
+#: (T5-large the most, 17 s on the loaded 2-core host); Gemma-2-2B is not proven at 300 million (27-60 s there),
+#: so the limit gives up past the largest proof and leaves the MILP most of a 60 s call
+WORK = 150_000_000
 #: relative gaps above the Lagrangian bound tried in turn as the pruning threshold (each pass exact; the last
 #: guess that finds a plan proves it)
 GUESSES = (0.002, 0.01, 0.04, 0.16, 0.64)
