@@ -302,20 +302,23 @@ class ChainDp:
         """The Lagrangian bound of the event ``estar`` at multiplier ``lam`` (ms per byte): ``lam·need + Σ_top
         best``, with ``best(s) = min(0, min_k q_k - lam·v_k, Σ_children best)`` per subtree (ms; 0: nothing
         checkpointed). A lower bound of every plan's cost, for every ``lam >= 0``."""
+        q, v, start = self.flat
+        own = np.minimum.reduceat(np.append(q - lam * v, 0.0), start)[:-1]  # per slot (an empty slot: 0)
         best = np.zeros(self.P.num_candidates)
         for s in reversed(range(self.P.num_candidates)):
-            own = float(np.min(self.levels[s][1] - lam * self.star(s), initial=0.0))
-            best[s] = min(own, float(sum(best[c] for c in self.children[s])), 0.0)
+            best[s] = min(own[s] if start[s] < start[s + 1] else 0.0, sum(best[c] for c in self.children[s]), 0.0)
         return lam * float(self.need[self.estar]) + float(sum(best[s] for s in self.top)), best
 
     def multiplier(self) -> float:
         """The multiplier that maximises :meth:`lagrangian` (golden-section search on the concave bound, a fixed
         number of steps: deterministic), into ``lam`` and ``lbest``; returns the bound (ms)."""
-        ratios = []  # past the largest cost per byte at estar, the bound only falls
-        for s, (_, q, _) in enumerate(self.levels):
-            v = self.star(s)
-            ratios.append(float(np.max(q[v > 0] / v[v > 0], initial=0.0)))
-        a, b = 0.0, 2.0 * max(ratios, default=0.0) + 1e-30
+        stars = [self.star(s) for s in range(self.P.num_candidates)]
+        sizes = [len(v) for v in stars]
+        q, v = np.concatenate([lv[1] for lv in self.levels] + [[]]), np.concatenate(stars + [[]])
+        #: every level's cost and contribution at estar, flat, and where each slot's start (plus the end)
+        self.flat = (q, v, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+        top = float(np.max(q[v > 0] / v[v > 0], initial=0.0))  # the dearest ms per byte: past it the bound falls
+        a, b = 0.0, 2.0 * top + 1e-30
         g = (math.sqrt(5.0) - 1.0) / 2.0
         for _ in range(GOLDEN_STEPS):
             x1, x2 = b - g * (b - a), a + g * (b - a)
