@@ -4,7 +4,8 @@
 
 * the problem: :class:`SacProblem` (``problem``: the Timeline read once, exact evaluation in bytes), its
   candidates (``candidates``) and their exact op-level options (``ops``, ``front``, ``knapsack``);
-* the strategies (``strategies.find``), each a module with one entry: the tree DP (``tree_dp``), the budget MILP
+* the strategies (``strategies.find``), each a module with one entry: the tree DP (``tree_dp``), the DP over
+  sequential blocks when many events bind (``chain_dp``), the budget MILP
   (``budget_milp``: the heuristic incumbent and min-peak plan of ``search``, the local descent of ``descent``, the
   LP proof of ``lp_proof``, the back-ends), the min-peak plan at the feasibility edge;
 * the judge (``judge``): exact bytes, repair, realisation as op save lists (``realise``);

@@ -2,9 +2,12 @@
 
 1. the tree DP (:func:`~sacplan.solver.tree_dp.solve_tree_dp`): exact mode with few binding events — proves the
    optimum outright, or gives up at its work limit;
-2. the budget MILP (:func:`~sacplan.solver.budget_milp.solve_budget_milp`): heuristic incumbent, LP proof or
+2. the chain DP (:func:`~sacplan.solver.chain_dp.solve_chain_dp`) when the tree DP gives up: exact over sequential
+   blocks whatever the number of binding events, or gives up at its work limit (``SolverOptions(chain_dp=False)``
+   skips it);
+3. the budget MILP (:func:`~sacplan.solver.budget_milp.solve_budget_milp`): heuristic incumbent, LP proof or
    branch-and-bound, no-good cuts;
-3. the min-peak plan (:func:`~sacplan.solver.search.solve_min_peak`): when the MILP declares a budget at the
+4. the min-peak plan (:func:`~sacplan.solver.search.solve_min_peak`): when the MILP declares a budget at the
    feasibility edge infeasible within its tolerance, or none fits (:class:`InfeasibleBudgetError`).
 
 :func:`find` is the one entry; its :class:`Found` is what the judge (:mod:`sacplan.solver.judge`) checks in bytes,
