@@ -70,6 +70,12 @@ def test_equals_tree_dp_on_identical_blocks(n_blocks, frac):
     res = solve_chain_dp(SacProblem(tree, exact=True), budget)
     assert tree_res is not None and res is not None
     assert res.cost_ms == pytest.approx(tree_res.cost_ms, rel=1e-9, abs=1e-12)
+    # the thresholds guessed above the Lagrangian bound only prune: none at all (one unpruned pass), or one at the
+    # bound itself (a pass that finds nothing cheaper, then the unpruned one), give the same optimum
+    for guesses in ((), (0.0,)):
+        with mock.patch.object(chain_mod, "GUESSES", guesses):
+            again = solve_chain_dp(SacProblem(tree, exact=True), budget)
+        assert again is not None and again.cost_ms == pytest.approx(res.cost_ms, rel=1e-9, abs=1e-12)
 
 
 def test_proves_repeated_blocks_past_the_tree_dp_by_work():
