@@ -84,18 +84,18 @@ def _variants(name: str, rows: list[dict], plans: Path) -> dict[str, Any]:
     return out
 
 
-def measure_case(name: str, rows: list[dict], plans: Path, rounds: int) -> dict[str, tuple[float, float, float, int]]:
-    """Per variant: (median ms, min ms, max ms, peak bytes) of forward + backward on the GPU."""
+def measure_case(name: str, rows: list[dict], plans: Path, rounds: int, dev: torch.device) -> dict[str, tuple[float, float, float, int]]:
+    """Per variant: (median ms, min ms, max ms, peak bytes; 0 off CUDA) of forward + backward on ``dev``."""
     from sacplan.apply import apply_plan, remove_plan
     from sacplan.collector.calling import as_inputs, as_loss, call_model
 
     case, variants = CASES[name](), _variants(name, rows, plans)
     torch.manual_seed(0)
-    model = case["build"]().to("cuda")
+    model = case["build"]().to(dev)
     if case["dtype"] is not None:
         model.to(case["dtype"])
     model.train()
-    args = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, as_inputs(case["inputs"]()))
+    args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, as_inputs(case["inputs"]()))
     loss = as_loss(case["loss"])
 
     def step() -> None:
@@ -111,11 +111,12 @@ def measure_case(name: str, rows: list[dict], plans: Path, rounds: int) -> dict[
     for v in variants:  # warm-up step, then the measured peak of one step
         use(v)
         step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         step()
-        peaks[v] = torch.cuda.max_memory_allocated()
-    timed, times = _timer(torch.device("cuda")), {v: [] for v in variants}
+        peaks[v] = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+    timed, times = _timer(dev), {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
             use(v)
@@ -127,11 +128,12 @@ def measure_case(name: str, rows: list[dict], plans: Path, rounds: int) -> dict[
 def measure(args: argparse.Namespace) -> None:
     plans = Path(args.plans)
     rows = json.loads((plans / "index.json").read_text())
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    dev = torch.device(args.device)
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}", flush=True)
     for name in dict.fromkeys(r["case"] for r in rows):
         t0 = time.perf_counter()
         try:
-            res = measure_case(name, rows, plans, args.rounds)
+            res = measure_case(name, rows, plans, args.rounds, dev)
         except Exception as e:  # keep measuring the other cases
             print(f"{name}: {type(e).__name__}: {e}"[:300], flush=True)
             continue
@@ -142,7 +144,8 @@ def measure(args: argparse.Namespace) -> None:
             for v, rc in ((r["alternative"], r["alt_recompute_ms"]), (r["alternative"] + " -> sacplan", r["sacplan_recompute_ms"])):
                 med, lo, hi, peak = res[v]
                 print(f"{v:<38} {rc:>10.1f} {med - base:>+13.1f} {lo - base:>+6.1f}..{hi - base:<+6.1f} {peak / MiB:>9.0f}")
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -154,6 +157,7 @@ def main() -> None:
     sub.choices["prepare"].add_argument("--cases", nargs="+", default=["llama-1b", "gpt2", "vit-b16"], choices=list(CASES))
     sub.choices["prepare"].add_argument("--target", default="H100")
     sub.choices["measure"].add_argument("--rounds", type=int, default=7)
+    sub.choices["measure"].add_argument("--device", default="cuda", help="cpu: a smoke run (with plans prepared for --target CPU)")
     args = ap.parse_args()
     (prepare if args.cmd == "prepare" else measure)(args)
 
