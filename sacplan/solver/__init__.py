@@ -10,9 +10,10 @@
 * the judge (``judge``): exact bytes, repair, realisation as op save lists (``realise``);
 * the Plan.
 
-Beneath: the formulation (``formulation``), the solver-neutral model (``model``), the back-ends (``backends``:
-``cbc``, ``highs``, HiGHS's count branching ``count_branching``), the settings (``options``) and the limits
-(``limits``: the deterministic work budget, the wall-clock safety net, progress, Ctrl-C). Beside the pipeline:
+Beneath: the formulation (``formulation``), the solver-neutral model (``model``: also Ctrl-C's
+``SolveInterrupted``), the back-ends (``backends``: ``cbc``, ``highs``, HiGHS's count branching
+``count_branching``), the settings (``options``), the limits (``limits``: the deterministic work budget, the
+wall-clock safety net) and the progress lines (``progress``). Beside the pipeline:
 ``certify`` (how good can any plan be) and ``compat`` (PyTorch's ``sac_milp`` signature, and its Graph).
 """
 

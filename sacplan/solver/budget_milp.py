@@ -19,7 +19,9 @@ from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import MilpIndex, columns_for, decision_from
 from sacplan.solver.lp_proof import prove_by_lp_branching
-from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel, SolveResult, interrupted_result
+from sacplan.solver.model import (
+    OPTIMAL, TIME_LIMIT, MilpModel, SolveInterrupted, SolveResult, interrupted_result,
+)
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.search import heuristic
@@ -53,7 +55,7 @@ def solve_budget_milp(
     warm = columns_for(problem, model, idx, *start) if start is not None else None
     try:
         res, cuts, by_lp = _exact_in_bytes(problem, model, idx, warm, budget, opts, lp_bound)
-    except limits.SolveInterrupted as e:
+    except SolveInterrupted as e:
         if opts.on_interrupt != "incumbent":
             raise
         res, cuts, by_lp = interrupted_result(e.result, model, warm, opts.backend), 0, False

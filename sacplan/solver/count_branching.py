@@ -14,10 +14,11 @@ import math
 import time
 from typing import Any, Mapping
 
-from sacplan.solver import limits
+from sacplan.solver import limits, progress
 from sacplan.solver.highs import solve_highs
 from sacplan.solver.model import (
-    INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveResult, relative_gap, with_bounds,
+    INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveInterrupted, SolveResult, relative_gap,
+    with_bounds,
 )
 
 #: one node of the search: (lower bounds, upper bounds, LP bound of the parent node)
@@ -108,10 +109,10 @@ class _CountSearch:
         relax.col_int = [False] * relax.num_cols
         try:
             lp = solve_highs(relax, RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
-        except limits.SolveInterrupted:
+        except SolveInterrupted:
             self.stack.append((lb, ub, parent_bound))
             self.stop = limits.WALL_CLOCK
-            raise limits.SolveInterrupted(self.summary()) from None
+            raise SolveInterrupted(self.summary()) from None
         self.nodes += 1
         if lp.status == INFEASIBLE:
             return
@@ -139,17 +140,17 @@ class _CountSearch:
         if self.best < INF:
             opts["objective_bound"] = self.best + max(self.run.gap_abs, 1e-9 * abs(self.best))
         try:
-            with limits.within(self.best, self.open_bound()):
+            with progress.within(self.best, self.open_bound()):
                 res = solve_highs(sub, dataclasses.replace(self.run, time_limit_s=self.left(), warm_start=ws,
                                                            node_limit=self.nodes_left()), opts)
-        except limits.SolveInterrupted as e:
+        except SolveInterrupted as e:
             leaf = e.result
             if leaf is not None and leaf.x is not None and leaf.objective < self.best:
                 self.best, self.best_x = leaf.objective, leaf.x
             self.leaf_bounds.append(lp.objective if leaf is None or not math.isfinite(leaf.bound)
                                     else max(lp.objective, min(leaf.bound, self.best)))
             self.stop = limits.WALL_CLOCK
-            raise limits.SolveInterrupted(self.summary()) from None
+            raise SolveInterrupted(self.summary()) from None
         self.nodes += res.nodes
         if res.status == INFEASIBLE:  # nothing better than the cutoff (or truly infeasible) in this leaf
             self.leaf_bounds.append(self.best if self.best < INF else INF)
@@ -161,4 +162,4 @@ class _CountSearch:
         if res.stopped_by and self.stop != limits.WALL_CLOCK:
             self.stop = res.stopped_by
         if self.best_x is not None:
-            limits.report(self.best, self.open_bound(), relative_gap(self.best, self.open_bound()))
+            progress.report(self.best, self.open_bound(), relative_gap(self.best, self.open_bound()))
