@@ -32,10 +32,11 @@ import numpy as np
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solver import limits
 from sacplan.solver.limits import DEFAULT_SOLVE_S
-from sacplan.solver.backends import solve_model
+from sacplan.solver.backends import lp_solver, solve_model
+from sacplan.solver.budget_milp import prove_or_search
+from sacplan.solver.formulation import count_column, line_rows, nesting_rows, ratio_rows
 from sacplan.solver.options import SolverOptions, resolve_options
-from sacplan.solver.lp_proof import prove_by_lp_branching
-from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel
+from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel, relaxed, relaxed_with_fixed
 from sacplan.stats import ModelStats
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
@@ -194,20 +195,15 @@ def _units(
 
 
 def _unit_columns(g: _GraphMilp) -> None:
-    """Per candidate: y (checkpoint), r (discard ratio), q (recompute fraction above every trade-off line)."""
+    """Per candidate: y (checkpoint), r (discard ratio), q (recompute fraction above every trade-off line), with
+    the formulation's rows on them."""
     model, ACM, IA = g.model, g.ACM, g.IA
     for i in g.cand:
         y = g.y[i] = model.add_col(f"y{i}", 0.0, 1.0, True)
         r = g.r[i] = model.add_col(f"r{i}", 0.0, 1.0)
         q = model.add_col(f"q{i}", 0.0, math.inf, False, float(g.nodes[i]["sac_runtime"]))
-        model.add_row(f"ry{i}", [r, y], [1.0, -1.0], ub=0.0)
-        if ACM[i] > IA[i]:
-            model.add_row(f"rmin{i}", [r, y], [1.0, -(ACM[i] - IA[i]) / ACM[i]], lb=0.0)
-        for s, (sl, ic) in enumerate(zip(g.nodes[i]["slopes"], g.nodes[i]["intercepts"])):
-            sl, ic = float(sl), float(ic)
-            if sl <= 0 and ic <= 0:
-                continue
-            model.add_row(f"line{i}_{s}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
+        ratio_rows(model, i, y, r, (ACM[i] - IA[i]) / ACM[i])
+        line_rows(model, i, q, r, y, g.nodes[i]["slopes"], g.nodes[i]["intercepts"])
 
 
 def _nesting_rows(g: _GraphMilp, anc_c: dict[int, list[int]]) -> None:
@@ -226,17 +222,7 @@ def _nesting_rows(g: _GraphMilp, anc_c: dict[int, list[int]]) -> None:
     for j in g.cand:
         if parent_c[j] >= 0:
             has_child[parent_c[j]] = True
-    u: dict[int, int] = {}
-    for j in g.cand:
-        p = parent_c[j]
-        if p < 0:
-            continue
-        up = u.get(p, y[p])
-        if has_child[j]:
-            u[j] = model.add_col(f"u{j}", 0.0, 1.0)
-            model.add_row(f"nest{j}", [u[j], up, y[j]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
-        else:
-            model.add_row(f"nest{j}", [up, y[j]], [1.0, 1.0], ub=1.0)
+    nesting_rows(model, y, parent_c, has_child)
 
 
 def _class_counts(g: _GraphMilp) -> None:
@@ -248,10 +234,7 @@ def _class_counts(g: _GraphMilp) -> None:
         classes.setdefault(key, []).append(i)
     for members in sorted(classes.values()):
         if len(members) >= 2:
-            k = g.model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
-            g.kcols.append((k, members))
-            g.model.add_row(f"Kdef{members[0]}", [k] + [g.y[i] for i in members], [1.0] + [-1.0] * len(members),
-                            lb=0, ub=0)
+            g.kcols.append((count_column(g.model, "K", f"{members[0]}", [g.y[i] for i in members]), members))
 
 
 class _Memory:
@@ -349,25 +332,9 @@ def _monotone_bounds(need: dict[int, float], upper: dict[int, float]) -> tuple[d
 
 
 def _solve_graph_model(g: _GraphMilp, opts: SolverOptions) -> Any:
-    """The warm start (LP relaxation, rounded, ratios re-solved), then an LP proof or the back-end's search."""
-    from sacplan.solver.backends import lp_solver
-
-    solver = opts.backend
-    warm, lp_bound = _warm_start(g.model, g.cand, g.y, g.parent_c, solver)
-    proven = prove_by_lp_branching(
-        g.model, warm, [k for k, _ in g.kcols], gap_rel=opts.gap_rel, lp_solver=lp_solver(solver),
-        root_bound=lp_bound, solver_name=solver,
-    )
-    return proven or solve_model(
-        g.model,
-        solver,
-        gap_rel=opts.gap_rel,
-        gap_abs=1e-7,
-        time_limit_s=opts.time_limit_s,
-        warm_start=warm,
-        priorities={k: 1 for k, _ in g.kcols} or None,
-        options=["preprocess off"],  # CBC preprocessing has cut off optima at tight budgets (see budget_milp)
-    )
+    """The warm start (LP relaxation, rounded, ratios re-solved), then the budget MILP's search from it."""
+    warm, lp_bound = _warm_start(g.model, g.cand, g.y, g.parent_c, opts.backend)
+    return prove_or_search(g.model, warm, {k: 1 for k, _ in g.kcols}, opts, lp_bound)[0]
 
 
 def _ratio_up(r: float) -> float:
@@ -376,9 +343,6 @@ def _ratio_up(r: float) -> float:
 
 
 def _warm_start(model: MilpModel, cand: list[int], y: dict[int, int], parent_c: dict[int, int], solver: str):
-    from sacplan.solver.backends import lp_solver
-    from sacplan.solver.model import relaxed, relaxed_with_fixed
-
     aux = lp_solver(solver)
     lp = solve_model(relaxed(model), aux)
     if lp.x is None:

@@ -334,32 +334,15 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
         idx.y.append(model.add_col(f"y{c.slot}", 0.0, 1.0, True))
         idx.r.append(model.add_col(f"r{c.slot}", 0.0, 1.0))
     for c in problem.candidates:
-        s = c.slot
-        model.add_row(f"ry{s}", [idx.r[s], idx.y[s]], [1.0, -1.0], ub=0.0)
-        if c.min_ratio > 0:  # a checkpointed call frees at least what it keeps (see Candidate.min_ratio)
-            model.add_row(f"rmin{s}", [idx.r[s], idx.y[s]], [1.0, -c.min_ratio], lb=0.0)
-    # no nested checkpointing: U_i = U_parent + y_i <= 1 along candidate chains
-    for c in problem.candidates:
-        s = c.slot
-        if c.parent_slot < 0:
-            continue
-        p = c.parent_slot
-        up = idx.u.get(p, idx.y[p])
-        if c.has_child:
-            idx.u[s] = model.add_col(f"u{s}", 0.0, 1.0)
-            model.add_row(f"nest{s}", [idx.u[s], up, idx.y[s]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
-        else:
-            model.add_row(f"nest{s}", [up, idx.y[s]], [1.0, 1.0], ub=1.0)
+        ratio_rows(model, c.slot, idx.y[c.slot], idx.r[c.slot], c.min_ratio)
+    idx.u = nesting_rows(model, {c.slot: idx.y[c.slot] for c in problem.candidates},
+                         {c.slot: c.parent_slot for c in problem.candidates},
+                         {c.slot: c.has_child for c in problem.candidates})
     if with_cost:
-        # Identical candidates (repeated blocks) form a class; K = Σ_{class} y is integer. The row is
-        # redundant (valid for any grouping) but lets branch-and-bound branch on *how many* blocks to
-        # checkpoint instead of on which, the source of the symmetric stall.
+        # identical candidates (repeated blocks): how many of a class are checkpointed
         for key, members in problem.classes():
-            if len(members) < 2:
-                continue
-            k = model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
-            idx.K.append(k)
-            model.add_row(f"Kdef{members[0]}", [k] + [idx.y[s] for s in members], [1.0] + [-1.0] * len(members), lb=0.0, ub=0.0)
+            if len(members) >= 2:
+                idx.K.append(count_column(model, "K", f"{members[0]}", [idx.y[s] for s in members]))
         for c in problem.candidates:
             s = c.slot
             w = c.calls * c.recompute_ms
@@ -383,24 +366,14 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
                 )
                 continue
             idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
-            for li, (sl, ic) in enumerate(zip(c.slopes, c.intercepts)):
-                if sl <= 0 and ic <= 0:
-                    continue  # implied by q >= 0
-                model.add_row(f"line{s}_{li}", [idx.q[s], idx.r[s], idx.y[s]], [1.0, -sl, -ic], lb=0.0)
+            line_rows(model, s, idx.q[s], idx.r[s], idx.y[s], c.slopes, c.intercepts)
         # exact classes: how many members reach each option level (integer, branched on with K)
         for key, members in problem.classes():
             if len(members) < 2 or members[0] not in idx.w:
                 continue
             for k in range(len(idx.w[members[0]])):
-                n = model.add_col(f"N{members[0]}_{k + 1}", 0.0, float(len(members)), True)
-                idx.N.append((n, members, k))
-                model.add_row(
-                    f"Ndef{members[0]}_{k + 1}",
-                    [n] + [idx.w[s][k] for s in members],
-                    [1.0] + [-1.0] * len(members),
-                    lb=0.0,
-                    ub=0.0,
-                )
+                idx.N.append((count_column(model, "N", f"{members[0]}_{k + 1}", [idx.w[s][k] for s in members]),
+                              members, k))
             # Symmetry breaking (valid, see :meth:`SacProblem.sequential`): of two checkpointed members, the earlier one
             # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
             seq = problem.sequential(members)
@@ -408,6 +381,52 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
                 for i, j in zip(seq, seq[1:]):
                     for k in range(len(idx.w[i])):
                         model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
+
+
+def ratio_rows(model: MilpModel, label: object, y: int, r: int, min_ratio: float) -> None:
+    """``r ≤ y`` and, when ``min_ratio > 0``, ``r ≥ min_ratio·y`` (a checkpointed call frees at least what it
+    keeps: :attr:`~sacplan.solver.candidates.Candidate.min_ratio`) for the columns ``y``, ``r`` of one candidate."""
+    model.add_row(f"ry{label}", [r, y], [1.0, -1.0], ub=0.0)
+    if min_ratio > 0:
+        model.add_row(f"rmin{label}", [r, y], [1.0, -min_ratio], lb=0.0)
+
+
+def line_rows(model: MilpModel, label: object, q: int, r: int, y: int, slopes: Sequence[float],
+              intercepts: Sequence[float]) -> None:
+    """``q ≥ slope·r + intercept·y`` for each trade-off line of one candidate (lines below 0 on [0, 1]: implied by
+    ``q ≥ 0``)."""
+    for li, (sl, ic) in enumerate(zip(slopes, intercepts)):
+        sl, ic = float(sl), float(ic)
+        if sl <= 0 and ic <= 0:
+            continue
+        model.add_row(f"line{label}_{li}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
+
+
+def nesting_rows(model: MilpModel, y: dict[int, int], parent: dict[int, int], has_child: dict[int, bool]) -> dict[int, int]:
+    """No checkpointed candidate inside another: ``u_i = u_parent + y_i ≤ 1`` along candidate chains (``u`` is
+    ``y`` at a chain's top; a chain's last candidate needs no ``u`` column). ``y``: candidate → its column, parents
+    before children; ``parent``: its nearest candidate ancestor (-1: none). Returns the ``u`` columns."""
+    u: dict[int, int] = {}
+    for s, ys in y.items():
+        p = parent[s]
+        if p < 0:
+            continue
+        up = u.get(p, y[p])
+        if has_child[s]:
+            u[s] = model.add_col(f"u{s}", 0.0, 1.0)
+            model.add_row(f"nest{s}", [u[s], up, ys], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
+        else:
+            model.add_row(f"nest{s}", [up, ys], [1.0, 1.0], ub=1.0)
+    return u
+
+
+def count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) -> int:
+    """An integer column counting the 0/1 ``cols`` of a class of identical candidates (``K``: how many are
+    checkpointed; ``N``: how many reach an option level): redundant, but branch-and-bound branches on *how many*
+    instead of *which*, the source of the symmetric stall."""
+    k = model.add_col(f"{kind}{label}", 0.0, float(len(cols)), True)
+    model.add_row(f"{kind}def{label}", [k] + list(cols), [1.0] + [-1.0] * len(cols), lb=0.0, ub=0.0)
+    return k
 
 
 def _sums(
