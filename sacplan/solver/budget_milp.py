@@ -1,7 +1,7 @@
 """The MILP strategy: the budget MILP searched from the heuristic's incumbent, solved to exactness in bytes.
 
 :func:`solve_budget_milp` is its one entry: the heuristic incumbent (:func:`~sacplan.solver.search.heuristic`),
-then an LP proof of it (:func:`~sacplan.solver.lp_proof.prove_by_lp_branching`) or the back-end's branch-and-bound
+then an LP proof of it (:func:`~sacplan.solver.count_branching.prove_by_lp_branching`) or the back-end's branch-and-bound
 (:func:`~sacplan.solver.backends.solve_model`, class counts branched first), then no-good cuts over solutions a
 solver's tolerance let a few bytes over the budget. Everything is bounded by the call's work budget
 (:func:`~sacplan.solver.limits.work`); Ctrl-C returns the best plan so far when ``on_interrupt="incumbent"``.
@@ -18,7 +18,7 @@ import numpy as np
 from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import MilpIndex, columns_for, decision_from
-from sacplan.solver.lp_proof import prove_by_lp_branching
+from sacplan.solver.count_branching import prove_by_lp_branching
 from sacplan.solver.model import (
     OPTIMAL, TIME_LIMIT, MilpModel, SolveInterrupted, SolveResult, interrupted_result,
 )
@@ -109,11 +109,12 @@ def prove_or_search(
     root_bound: float | None,
 ) -> tuple[SolveResult, bool]:
     """``model`` solved from the incumbent ``warm``: proven by LP bounds alone, branching on the ``priorities``
-    columns (class counts; :func:`~sacplan.solver.lp_proof.prove_by_lp_branching`), else by the back-end's
+    columns (class counts; :func:`~sacplan.solver.count_branching.prove_by_lp_branching`), else by the back-end's
     branch-and-bound, those columns branched on first (smaller priority first). ``root_bound``: the LP
     relaxation's objective when known (ms). Returns the result and whether the LP bounds proved it."""
     proven = prove_by_lp_branching(
-        model, warm, list(priorities), gap_rel=opts.gap_rel, lp_solver=lp_solver(opts.backend), root_bound=root_bound,
+        model, warm, list(priorities), gap_rel=opts.gap_rel, root_bound=root_bound,
+        solve_lp=lambda lp: solve_model(lp, lp_solver(opts.backend)),
         solver_name=opts.backend,
     )
     if proven is not None:

@@ -151,6 +151,116 @@ def _flatten(root: Spec) -> list[_Node]:
     return out
 
 
+class _Step:
+    """One simulated no-checkpointing step over ``nodes``: live bytes, the four module orders, the memory events
+    and, per module, each call's activation bytes, transient, forward ms and snapshots."""
+
+    def __init__(self, nodes: list[_Node], params_total: int, opt: int, input_bytes: int) -> None:
+        n = len(nodes)
+        self.nodes, self.params_total, self.opt = nodes, params_total, opt
+        self.live = {"act": input_bytes, "grad": 0, "tmp": 0}
+        self.fw_pre: list[str] = []
+        self.fw_post: list[str] = []
+        self.bw_pre: list[str] = []
+        self.bw_post: list[str] = []
+        self.events: list[MemoryEvent] = []
+        self.calls = [0] * n
+        self.act_calls: list[list[int]] = [[] for _ in range(n)]
+        self.trans_calls: list[list[int]] = [[] for _ in range(n)]
+        self.snaps: list[list[dict[str, MemSnapshot]]] = [[] for _ in range(n)]
+        self.fw_ms_calls: list[list[float]] = [[] for _ in range(n)]
+        #: per call, in fw post-order: (node, call index, chunk 1 bytes, chunk 2 bytes)
+        self.trace: list[tuple[int, int, int, int]] = []
+        self.fw_counter = 0
+        self.bw_counter = 0
+
+    def snap(self, tmp: int = 0) -> MemSnapshot:
+        return MemSnapshot(
+            param=self.params_total, grad=self.live["grad"], optimizer=self.opt, activation=self.live["act"], temp=tmp
+        )
+
+    def state(self) -> int:
+        return self.params_total + self.live["grad"] + self.opt
+
+    def own_act(self, i: int, c: int) -> int:
+        sp = self.nodes[i].spec
+        if sp.act_calls is not None:
+            return int(sp.act_calls[c % len(sp.act_calls)])
+        return int(sp.act)
+
+    def fw(self, i: int) -> tuple[int, float]:
+        """Run module i's forward; returns (max transient above the post-fw level, ms)."""
+        nodes, live = self.nodes, self.live
+        sp = nodes[i].spec
+        c = self.calls[i]
+        self.calls[i] += 1
+        self.fw_pre.append(nodes[i].fqn)
+        pre = self.snap()
+        start_act = live["act"]
+        a = self.own_act(i, c)
+        ch1, ch2 = a // 2, a - a // 2
+        # chunk 1
+        peak = live["act"] + ch1 + sp.tmp
+        self.events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, self.fw_counter, 0, peak + self.state(), self.state()))
+        live["act"] += ch1
+        max_trans = sp.tmp
+        ms = sp.fw_ms
+        for ch in nodes[i].children:
+            for _ in range(nodes[ch].spec.repeat):
+                t, m = self.fw(ch)
+                max_trans = max(max_trans, t)
+                ms += m
+        peak2 = live["act"] + ch2 + sp.tmp
+        self.events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, self.fw_counter, 0, peak2 + self.state(), self.state()))
+        live["act"] += ch2
+        self.fw_post.append(nodes[i].fqn)
+        self.fw_counter += 1
+        self.act_calls[i].append(live["act"] - start_act)
+        live["act"] += sp.out
+        self.trans_calls[i].append(max_trans)
+        self.fw_ms_calls[i].append(ms)
+        self.snaps[i].append({"pre_fw": pre, "peak_fw": self.snap(sp.tmp), "post_fw": self.snap()})
+        self.trace.append((i, c, ch1, ch2))
+        return max_trans, ms
+
+    def call_tree(self) -> list[tuple[int, int, int, int, list]]:
+        """The calls as a tree rebuilt from the trace (in fw post-order a parent's record follows all its
+        children's): the top calls, each ``(node, call, chunk 1, chunk 2, children)``."""
+        stack: list[tuple[int, int, int, int, list]] = []
+        for rec in self.trace:
+            i = rec[0]
+            kids = []
+            while stack and self.nodes[stack[-1][0]].parent == i:
+                kids.append(stack.pop())
+            stack.append((*rec, list(reversed(kids))))
+        return stack
+
+    def bw(self, item: tuple[int, int, int, int, list]) -> None:
+        """Run one call's backward (its recompute-transient event first), then its children's in reverse."""
+        nodes, live = self.nodes, self.live
+        i, c, ch1, ch2, kids = item
+        sp = nodes[i].spec
+        self.bw_pre.append(nodes[i].fqn)
+        self.bw_counter += 1
+        pre = self.snap()
+        half = sp.params // 2
+        extra = self.trans_calls[i][c]
+        self.events.append(MemoryEvent(Phase.RC, nodes[i].fqn, c, self.fw_counter, self.bw_counter,
+                                       live["act"] + sp.tmp + half + self.state(), self.state() + half, extra))
+        live["act"] -= ch2 + sp.out
+        live["grad"] += half
+        peak_bw = self.snap(sp.tmp)
+        for kid in reversed(kids):
+            self.bw(kid)
+        self.events.append(MemoryEvent(Phase.BW, nodes[i].fqn, c, self.fw_counter, self.bw_counter,
+                                       live["act"] + sp.tmp + (sp.params - half) + self.state(),
+                                       self.state() + sp.params - half))
+        live["act"] -= ch1
+        live["grad"] += sp.params - half
+        self.bw_post.append(nodes[i].fqn)
+        self.snaps[i][c].update({"pre_bw": pre, "peak_bw": peak_bw, "post_bw": self.snap()})
+
+
 def build_stats(
     root: Spec,
     *,
@@ -163,167 +273,23 @@ def build_stats(
 ) -> ModelStats:
     """Simulate one no-checkpointing step over ``root`` (see the module docstring)."""
     nodes = _flatten(root)
-    n = len(nodes)
     params_total = sum(nd.spec.params for nd in nodes)
     opt = int(optimizer_factor * params_total)
-    live = {"act": input_bytes, "grad": 0, "tmp": 0}
-    fw_pre: list[str] = []
-    fw_post: list[str] = []
-    bw_pre: list[str] = []
-    bw_post: list[str] = []
-    events: list[MemoryEvent] = []
-    calls = [0] * n
-    act_calls: list[list[int]] = [[] for _ in range(n)]
-    trans_calls: list[list[int]] = [[] for _ in range(n)]
-    snaps: list[list[dict[str, MemSnapshot]]] = [[] for _ in range(n)]
-    fw_ms_calls: list[list[float]] = [[] for _ in range(n)]
-    # per call record for the backward: (node, call index, chunk1, chunk2, pre_fw, post_fw snapshots)
-    trace: list[tuple[int, int, int, int]] = []
-    fw_counter = 0
-
-    def snap(tmp: int = 0) -> MemSnapshot:
-        return MemSnapshot(
-            param=params_total, grad=live["grad"], optimizer=opt, activation=live["act"], temp=tmp
-        )
-
-    def state() -> int:
-        return params_total + live["grad"] + opt
-
-    def own_act(i: int, c: int) -> int:
-        sp = nodes[i].spec
-        if sp.act_calls is not None:
-            return int(sp.act_calls[c % len(sp.act_calls)])
-        return int(sp.act)
-
-    def fw(i: int) -> tuple[int, float]:
-        """Run module i's forward; returns (max transient above the post-fw level, ms)."""
-        nonlocal fw_counter
-        sp = nodes[i].spec
-        c = calls[i]
-        calls[i] += 1
-        fw_pre.append(nodes[i].fqn)
-        pre = snap()
-        start_act = live["act"]
-        a = own_act(i, c)
-        ch1, ch2 = a // 2, a - a // 2
-        # chunk 1
-        peak = live["act"] + ch1 + sp.tmp
-        events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, fw_counter, 0, peak + state(), state()))
-        live["act"] += ch1
-        max_trans = sp.tmp
-        ms = sp.fw_ms
-        for ch in nodes[i].children:
-            for _ in range(nodes[ch].spec.repeat):
-                t, m = fw(ch)
-                max_trans = max(max_trans, t)
-                ms += m
-        peak2 = live["act"] + ch2 + sp.tmp
-        events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, fw_counter, 0, peak2 + state(), state()))
-        live["act"] += ch2
-        fw_post.append(nodes[i].fqn)
-        fw_counter += 1
-        act_calls[i].append(live["act"] - start_act)
-        live["act"] += sp.out
-        trans_calls[i].append(max_trans)
-        fw_ms_calls[i].append(ms)
-        snaps[i].append({"pre_fw": pre, "peak_fw": snap(sp.tmp), "post_fw": snap()})
-        trace.append((i, c, ch1, ch2))
-        return max_trans, ms
-
+    step = _Step(nodes, params_total, opt, input_bytes)
     for _ in range(root.repeat):
-        fw(0)
+        step.fw(0)
     # loss: forward is complete, all activations still live
-    events.append(MemoryEvent(Phase.FW, "", 0, fw_counter, 0, live["act"] + loss_tmp + state(), state()))
-
+    step.events.append(MemoryEvent(Phase.FW, "", 0, step.fw_counter, 0, step.live["act"] + loss_tmp + step.state(),
+                                   step.state()))
     # backward: module calls in reverse order of their forward end, parents before their children
-    bw_counter = 0
-
-    # rebuild the call tree from the trace (post-order) to walk it in reverse pre-order
-    # trace is in fw post-order; a parent's record follows all its children's records
-    stack: list[tuple[int, int, int, int, list]] = []
-    roots: list[tuple[int, int, int, int, list]] = []
-    for rec in trace:
-        i = rec[0]
-        kids = []
-        while stack and nodes[stack[-1][0]].parent == i:
-            kids.append(stack.pop())
-        item = (*rec, list(reversed(kids)))
-        stack.append(item)
-    roots = stack
-
-    def bw(item: tuple[int, int, int, int, list]) -> None:
-        nonlocal bw_counter
-        i, c, ch1, ch2, kids = item
-        sp = nodes[i].spec
-        bw_pre.append(nodes[i].fqn)
-        bw_counter += 1
-        pre = snap()
-        half = sp.params // 2
-        extra = trans_calls[i][c]
-        events.append(
-            MemoryEvent(Phase.RC, nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + half + state(), state() + half, extra)
-        )
-        live["act"] -= ch2 + sp.out
-        live["grad"] += half
-        peak_bw = snap(sp.tmp)
-        for kid in reversed(kids):
-            bw(kid)
-        events.append(
-            MemoryEvent(Phase.BW, nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + (sp.params - half) + state(), state() + sp.params - half)
-        )
-        live["act"] -= ch1
-        live["grad"] += sp.params - half
-        bw_post.append(nodes[i].fqn)
-        snaps[i][c].update({"pre_bw": pre, "peak_bw": peak_bw, "post_bw": snap()})
-
-    for item in reversed(roots):
-        bw(item)
-    opt_tmp = opt // 4
-    events.append(MemoryEvent(Phase.OTHER, "", 0, fw_counter, bw_counter, state() + live["act"] + opt_tmp, state()))
-
-    modules = []
-    for i, nd in enumerate(nodes):
-        sp = nd.spec
-        A = act_calls[i][0] if act_calls[i] else 0
-        R = fw_ms_calls[i][0] if fw_ms_calls[i] else 0.0
-        sub_params = sum(nodes[j].spec.params for j in _subtree(nodes, i))
-        tr: TradeOff | None = None
-        if not sp.no_tradeoff and A > 0 and R > 0:
-            if sp.lines is not None:
-                tr = lines_tradeoff(sp.lines, A, R)
-            elif sp.ops:
-                tr = greedy_tradeoff(sp.ops, A, R, int(sum(o.flops for o in sp.ops)))
-            else:
-                tr = lines_tradeoff(((0.6, 0.05), (1.4, -0.35)), A, R)
-        modules.append(
-            ModuleStats(
-                fqn=nd.fqn,
-                module_type=sp.module_type,
-                parent=None if nd.parent is None else nodes[nd.parent].fqn,
-                depth=nd.depth,
-                is_leaf=not nd.children,
-                calls=calls[i],
-                param_bytes=sub_params,
-                buffer_bytes=0,
-                grad_bytes=sub_params,
-                optimizer_bytes=int(optimizer_factor * sub_params),
-                input_bytes=0,
-                output_bytes=0,
-                act_bytes=tuple(act_calls[i]),
-                act_grad_bytes=tuple(sp.tmp for _ in act_calls[i]),
-                fw_transient_bytes=tuple(trans_calls[i]),
-                fw_ms=tuple(fw_ms_calls[i]),
-                bw_ms=tuple(2 * m for m in fw_ms_calls[i]),
-                fw_flops=tuple(0 for _ in act_calls[i]),
-                bw_flops=tuple(0 for _ in act_calls[i]),
-                snapshots=tuple(snaps[i]),
-                ops=tuple(sp.ops),
-                recompute_stop=sp.recompute_stop if sp.recompute_stop is not None else len(sp.ops),
-                tradeoff=tr,
-            )
-        )
+    for item in reversed(step.call_tree()):
+        step.bw(item)
+    events = step.events
+    events.append(MemoryEvent(Phase.OTHER, "", 0, step.fw_counter, step.bw_counter,
+                              step.state() + step.live["act"] + opt // 4, step.state()))
+    modules = [_module_stats(nodes, i, step, optimizer_factor) for i in range(len(nodes))]
     peak_ev = max(events, key=lambda e: e.peak_bytes)
-    fw_total = sum(fw_ms_calls[0])
+    fw_total = sum(step.fw_ms_calls[0])
     h = hashlib.sha256(repr([(m.fqn, m.param_bytes) for m in modules]).encode()).hexdigest()[:16]
     return ModelStats(
         device=device,
@@ -331,10 +297,10 @@ def build_stats(
         dtype="torch.bfloat16",
         world_size=world_size,
         modules=tuple(modules),
-        fw_pre_order=tuple(fw_pre),
-        fw_post_order=tuple(fw_post),
-        bw_pre_order=tuple(bw_pre),
-        bw_post_order=tuple(bw_post),
+        fw_pre_order=tuple(step.fw_pre),
+        fw_post_order=tuple(step.fw_post),
+        bw_pre_order=tuple(step.bw_pre),
+        bw_post_order=tuple(step.bw_post),
         events=tuple(events),
         peak_bytes=peak_ev.peak_bytes,
         peak_phase=peak_ev.phase,
@@ -349,6 +315,50 @@ def build_stats(
         fw_flops=0,
         bw_flops=0,
         fingerprint=h,
+    )
+
+
+def _module_stats(nodes: list[_Node], i: int, step: _Step, optimizer_factor: float) -> ModuleStats:
+    """Module ``i``'s statistics from the simulated step, with its trade-off (its ops', its lines, or default
+    lines)."""
+    nd = nodes[i]
+    sp = nd.spec
+    act, fw_ms = step.act_calls[i], step.fw_ms_calls[i]
+    A = act[0] if act else 0
+    R = fw_ms[0] if fw_ms else 0.0
+    sub_params = sum(nodes[j].spec.params for j in _subtree(nodes, i))
+    tr: TradeOff | None = None
+    if not sp.no_tradeoff and A > 0 and R > 0:
+        if sp.lines is not None:
+            tr = lines_tradeoff(sp.lines, A, R)
+        elif sp.ops:
+            tr = greedy_tradeoff(sp.ops, A, R, int(sum(o.flops for o in sp.ops)))
+        else:
+            tr = lines_tradeoff(((0.6, 0.05), (1.4, -0.35)), A, R)
+    return ModuleStats(
+        fqn=nd.fqn,
+        module_type=sp.module_type,
+        parent=None if nd.parent is None else nodes[nd.parent].fqn,
+        depth=nd.depth,
+        is_leaf=not nd.children,
+        calls=step.calls[i],
+        param_bytes=sub_params,
+        buffer_bytes=0,
+        grad_bytes=sub_params,
+        optimizer_bytes=int(optimizer_factor * sub_params),
+        input_bytes=0,
+        output_bytes=0,
+        act_bytes=tuple(act),
+        act_grad_bytes=tuple(sp.tmp for _ in act),
+        fw_transient_bytes=tuple(step.trans_calls[i]),
+        fw_ms=tuple(fw_ms),
+        bw_ms=tuple(2 * m for m in fw_ms),
+        fw_flops=tuple(0 for _ in act),
+        bw_flops=tuple(0 for _ in act),
+        snapshots=tuple(step.snaps[i]),
+        ops=tuple(sp.ops),
+        recompute_stop=sp.recompute_stop if sp.recompute_stop is not None else len(sp.ops),
+        tradeoff=tr,
     )
 
 
