@@ -6,10 +6,9 @@ The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
   budget), :func:`build_min_peak_model` the MILP whose optimum is the smallest feasible budget; both return a
   :class:`MilpIndex` naming the columns of each candidate;
 * :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
-  :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation.
-
-Events whose worst case fits the budget, or that another event dominates, get no row (:func:`_select_events`).
-Bytes are in GiB in the model, times in ms.
+  :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation;
+* the row builders every model of the package shares (:func:`ratio_rows`, :func:`line_rows`,
+  :func:`nesting_rows`, :func:`count_column`, :func:`running_columns`).
 
 The model
 ---------
@@ -26,10 +25,9 @@ budget; minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recom
   and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
   ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
   ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``; an interleaved event (a pipeline stage's schedule:
-  :attr:`~sacplan.timeline.Timeline.mixed`) the row ``F_kf + G_kb - G_0 - added ≥ (base_e - budget)/GiB``.
-
-* ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
-  branching; see below).
+  :attr:`~sacplan.timeline.Timeline.mixed`) the row ``F_kf + G_kb - G_0 - added ≥ (base_e - budget)/GiB``;
+* ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant: branched on
+  first, see :mod:`sacplan.solver.count_branching`).
 
 Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
 lines. Its options come from :func:`~sacplan.solver.ops.module_options` — the module's exact Pareto front of
@@ -42,21 +40,12 @@ for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solver.problem.S
 only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
 Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
 checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
-:func:`~sacplan.solver.milp.recompute_lower_bound` bounds every plan from below (fractional knapsack per module).
 
 Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
-(same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
-[0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
+(same or fewer discards, same or larger need) is dropped too (:func:`_select_events`), and trade-off lines never
+maximal on [0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
 ``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
 calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
-
-Solving: an incumbent from the LP relaxation (round ``y``, re-solve the ratios) is handed to the solver,
-which proves optimality to ``gap_rel`` (no MILP search at all when the incumbent already meets the LP
-bounds after branching on the count columns below: a few in-process LPs).
-Identical candidates (repeated blocks) get a count column ``K = Σ_class y`` branched on first: the LP is
-weak only in *how many* blocks to checkpoint, and once that count is fixed its bound is nearly tight, so
-the symmetric search over *which* blocks never starts. (Auxiliary LPs and op-level knapsacks run on
-in-process HiGHS when highspy is installed.)
 """
 
 from __future__ import annotations
@@ -441,14 +430,14 @@ def _sums(
     """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised): the
     timeline's :meth:`~sacplan.timeline.Timeline.running` sums as rows, at the candidate-entry counts ``kc`` a
     constraint reads (``columns_for`` fills them from the timeline itself)."""
-    Fcol = _running_columns(problem, model, idx, "F", fw_kcs, fw_lb, forward=True)
+    Fcol = running_columns(problem, model, idx, "F", fw_kcs, fw_lb, forward=True)
     idx.F.extend(Fcol.items())
-    Gcol = _running_columns(problem, model, idx, "G", bw_kcs, bw_lb, forward=False)
+    Gcol = running_columns(problem, model, idx, "G", bw_kcs, bw_lb, forward=False)
     idx.G.extend(Gcol.items())
     return Fcol, Gcol
 
 
-def _running_columns(
+def running_columns(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, name: str, kcs: Sequence[int], lb: dict[int, float],
     forward: bool,
 ) -> dict[int, int]:

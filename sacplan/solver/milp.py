@@ -12,7 +12,8 @@ discard (:func:`solve`), the smallest feasible budget, a lower bound on recomput
 3. the judge (:func:`~sacplan.solver.judge.judge`): exact bytes, repair, realisation as op save lists;
 4. the :class:`~sacplan.plan.Plan`.
 
-The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters through :mod:`sacplan.solver.compat`.
+The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters the same problem through
+:mod:`sacplan.solver.compat`.
 """
 
 from __future__ import annotations

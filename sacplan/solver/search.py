@@ -115,12 +115,19 @@ def _unnest(problem: SacProblem, y: np.ndarray, score: np.ndarray) -> np.ndarray
                 break
             p = problem.candidates[p].parent_slot
         if y[s] > 0.5:  # clear chosen descendants: slots are in pre-order, so they follow s contiguously
-            end = problem.tree.nodes[problem.candidates[s].node].subtree_end
             t = s + 1
-            while t < problem.num_candidates and problem.candidates[t].node < end:
+            while t < problem.num_candidates and _descends(problem, t, s):
                 y[t] = 0.0
                 t += 1
     return y
+
+
+def _descends(problem: SacProblem, t: int, s: int) -> bool:
+    """Candidate slot ``t`` lies inside candidate slot ``s`` (ancestors have smaller slots: pre-order)."""
+    p = problem.candidates[t].parent_slot
+    while p > s:
+        p = problem.candidates[p].parent_slot
+    return p == s
 
 
 def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.ndarray) -> np.ndarray:
