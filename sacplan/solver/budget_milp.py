@@ -1,6 +1,6 @@
 """The MILP strategy: the budget MILP searched from the heuristic's incumbent, solved to exactness in bytes.
 
-:func:`solve_budget_milp` is its one entry: the heuristic incumbent (:func:`~sacplan.solver.search.heuristic`),
+:func:`solve_budget_milp` is its one entry: the heuristic incumbent (:func:`~sacplan.solver.heuristic.heuristic`),
 then an LP proof of it (:func:`~sacplan.solver.count_branching.prove_by_lp_branching`) or the back-end's branch-and-bound
 (:func:`~sacplan.solver.backends.solve_model`, class counts branched first), then no-good cuts over solutions a
 solver's tolerance let a few bytes over the budget. Everything is bounded by the call's work budget
@@ -24,7 +24,7 @@ from sacplan.solver.model import (
 )
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.search import heuristic
+from sacplan.solver.heuristic import heuristic
 
 #: rounds of no-good cuts before the judge's ratio repair takes over
 MAX_CUTS = 32

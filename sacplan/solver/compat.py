@@ -9,7 +9,7 @@ not raise, like PyTorch's).
 * ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, entering the
   solver through an adapter (:func:`graph_problem`) as a :class:`~sacplan.solver.problem.SacProblem` whose
   timeline has one forward event per node, solved by the budget MILP (:mod:`sacplan.solver.budget_milp`, gap
-  1e-4 instead of the reference's 5%) and repaired to fit exactly (:func:`~sacplan.solver.search.repair`). Per
+  1e-4 instead of the reference's 5%) and repaired to fit exactly (:func:`~sacplan.solver.repair.repair`). Per
   node ``i`` (bytes)::
 
       d_i  = ACM_i·r_i − (ACM_i − IA_i)·y_i,   (ACM_i − IA_i)/ACM_i·y_i ≤ r_i ≤ y_i
@@ -40,7 +40,7 @@ from sacplan.solver.formulation import build_budget_model, decision_from, runnin
 from sacplan.solver.limits import DEFAULT_SOLVE_S
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.search import repair
+from sacplan.solver.repair import repair
 from sacplan.stats import ModelStats
 from sacplan.timeline import FW, Timeline
 from sacplan.tree import ModuleTree

@@ -5,7 +5,7 @@
 with per-rank state scaling, and (exact mode) each candidate's op-level options. A decision — checkpoint
 flags ``y`` and discard ratios ``r`` per candidate slot — is evaluated exactly in bytes
 (:meth:`SacProblem.peaks`) and in model recompute ms (:meth:`SacProblem.cost`). Budget-independent: the
-MILP (:mod:`sacplan.solver.formulation`) and the incumbent search (:mod:`sacplan.solver.search`) read it.
+MILP (:mod:`sacplan.solver.formulation`) and the strategies (:mod:`sacplan.solver.strategies`) read it.
 """
 
 from __future__ import annotations

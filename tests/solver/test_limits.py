@@ -258,7 +258,7 @@ def test_a_tiny_limit_still_returns_a_plan_when_no_rounding_of_the_lp_fits(monke
     # plan then comes from a short min-peak MILP (else a 0.5 s sweep failed: "no plan before the time limit")
     import numpy as np
 
-    from sacplan.solver import search
+    from sacplan.solver import heuristic as search
 
     tree = llama_tree(8)
     budget = int(baseline_peak(tree) * 0.7)
