@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 from sacplan.errors import ConfigError
@@ -51,7 +52,33 @@ def compile_model(model: nn.Module, how: str, blocks: Sequence[str], backend: st
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         if how == "blocks":
             for fqn in blocks:
-                model.get_submodule(fqn).compile(backend=backend)
+                _compile_in_place(model.get_submodule(fqn), backend)
             return f"{len(blocks)} repeated blocks compiled one by one ({backend})"
-        model.compile(backend=backend)
+        _compile_in_place(model, backend)
         return f"whole model compiled ({backend})"
+
+
+def _compile_in_place(module: nn.Module, backend: str) -> None:
+    """``module.compile()``; for a forward defined in PyTorch itself, compile it through a frame of ours.
+
+    ``Module.compile()`` compiles the module's ``_call_impl``, and Dynamo starts tracing at the first frame
+    outside its skip list: for a forward in ``torch.nn`` (``nn.Sequential``, ``nn.TransformerEncoderLayer``) there
+    is none, and nothing is compiled: the module runs eagerly, silently. ``torch.compile(module)`` adds a frame
+    of its own around such a module (``OptimizedModule``) and does compile it; this does the same without the
+    wrapper (module names stay). A planned module's forward is sacplan's (:mod:`sacplan.apply`): compiled as is.
+    """
+    forward = module.forward
+    if not _defined_in_torch(forward):
+        module.compile(backend=backend)
+        return
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    module.forward = torch.compile(traced, backend=backend)  # type: ignore[method-assign]
+
+
+def _defined_in_torch(fn: Any) -> bool:
+    """Whether ``fn`` (a bound method or function) is PyTorch's own code, where Dynamo does not start tracing."""
+    module = getattr(getattr(fn, "__func__", fn), "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")
