@@ -37,6 +37,7 @@ from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
+from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
 from sacplan.compiling import compile_choice, compile_model
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import ConfigError, PlanMismatchError
@@ -450,12 +451,27 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
         )
     blocks = repeated_blocks(stats)
     how = compile_choice(compile, blocks)
+    if how is not None:
+        stats = _compiled_stats(build, raw_inputs, stats, spec, dev, opt_factory, loss, blocks if how == "blocks" else ("",))
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
     if missing:
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
     return _HostPrediction(stats, predict(tree, choices), blocks, how)
+
+
+def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, dev: torch.device,
+                    opt_factory: Any, loss: Callable[..., torch.Tensor], regions: tuple[str, ...]) -> Any:
+    """The stats of the step as Inductor will lay it out: ``stats`` itself unless the compiled regions hold
+    convolutions Inductor runs channels-last; then a second fake step with its layout copies replayed
+    (:mod:`sacplan.compiled_layout`)."""
+    with torch.device("meta"):
+        convs = region_convolutions(build(), regions)
+    if not layout_optimized(convs, dev.type):
+        return stats
+    return collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
+                   optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
 
 
 class _RealSteps:
