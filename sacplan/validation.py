@@ -38,6 +38,7 @@ from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
+from sacplan.compiled_saves import with_compiled_saves
 from sacplan.compiling import compile_choice, compile_model
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import ConfigError, PlanMismatchError
@@ -463,15 +464,15 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
 
 def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, dev: torch.device,
                     opt_factory: Any, loss: Callable[..., torch.Tensor], regions: tuple[str, ...]) -> Any:
-    """The stats of the step as Inductor will lay it out: ``stats`` itself unless the compiled regions hold
-    convolutions Inductor runs channels-last; then a second fake step with its layout copies replayed
-    (:mod:`sacplan.compiled_layout`)."""
+    """The stats of the step as Inductor compiles it: where the compiled regions hold convolutions Inductor runs
+    channels-last, a second fake step with its layout copies replayed (:mod:`sacplan.compiled_layout`); and what
+    a planned compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
     with torch.device("meta"):
         convs = region_convolutions(build(), regions)
-    if not layout_optimized(convs, dev.type):
-        return stats
-    return collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
-                   optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+    if layout_optimized(convs, dev.type):
+        stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
+                        optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+    return with_compiled_saves(stats, regions)
 
 
 class _RealSteps:
