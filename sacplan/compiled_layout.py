@@ -7,7 +7,7 @@ torchvision ResNet-18, allocator events of each compiled block, ``benchmarks/RES
 
 * each convolution weight not already channels-last is copied to channels-last in the forward, and the
   *copy* is what the graph saves for its backward: a weight-sized tensor held from the block's forward to its
-  backward (the parameter itself stays too);
+  backward (the parameter itself stays too), in a checkpointed block as well (its recomputation reads it);
 * a graph input a convolution reads (the block's input activation) is copied to channels-last, and the copy is
   saved in its place;
 * the backward computes each weight gradient channels-last and copies it to the parameter's layout: a
@@ -29,7 +29,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["layout_optimized", "region_convolutions", "replay_layout"]
+__all__ = ["WEIGHT_COPY_OP", "layout_optimized", "region_convolutions", "replay_layout"]
+
+#: the op the replay copies convolution weights with (activations are copied with ``aten.clone``)
+WEIGHT_COPY_OP = "aten._to_copy.default"
 
 _CONV2D = frozenset({torch.conv2d, torch.nn.functional.conv2d})
 
@@ -73,12 +76,21 @@ def region_convolutions(model: nn.Module, regions: Iterable[str]) -> list[tuple[
     return out
 
 
+def _needs_copy(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() and not t.is_contiguous(
+        memory_format=torch.channels_last)
+
+
 def _channels_last(t: Any) -> Any:
-    """``t`` as a channels-last tensor (a copy, through autograd) when it is a 4-D floating tensor not already one."""
-    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() and not t.is_contiguous(
-            memory_format=torch.channels_last):
-        return t.contiguous(memory_format=torch.channels_last)
-    return t
+    """An activation as a channels-last tensor (``aten.clone``, through autograd) when it is a 4-D floating tensor
+    not already one."""
+    return t.contiguous(memory_format=torch.channels_last) if _needs_copy(t) else t
+
+
+def _channels_last_weight(t: Any) -> Any:
+    """A convolution weight as a channels-last copy, made by :data:`WEIGHT_COPY_OP` (the op
+    :mod:`sacplan.compiled_saves` marks as always saved: the compiled graph saves it even when checkpointed)."""
+    return t.to(memory_format=torch.channels_last) if _needs_copy(t) else t
 
 
 def _eager_layout(t: Any) -> Any:
@@ -94,7 +106,7 @@ class _ChannelsLastConvolutions(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _CONV2D and len(args) >= 2:
-            args = (_channels_last(args[0]), _channels_last(args[1]), *args[2:])
+            args = (_channels_last(args[0]), _channels_last_weight(args[1]), *args[2:])
         return func(*args, **kwargs)
 
 

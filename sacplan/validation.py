@@ -469,10 +469,11 @@ def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: A
     a planned compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
     with torch.device("meta"):
         convs = region_convolutions(build(), regions)
-    if layout_optimized(convs, dev.type):
+    replayed = layout_optimized(convs, dev.type)
+    if replayed:
         stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
                         optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
-    return with_compiled_saves(stats, regions)
+    return with_compiled_saves(stats, regions, layout_replayed=replayed)
 
 
 class _RealSteps:
