@@ -1,5 +1,6 @@
 """validate(compile=...) and ``sacplan validate --compile``: compiled (Inductor, CPU) steps against the
-prediction for the compiled step (tests/apply/test_compiled_prediction.py checks its rules on tiny models). The compiled runs take a minute or more on 2 cores (Inductor compiles each graph with a C++
+prediction for the compiled step (tests/apply/test_compiled_prediction.py checks its rules on tiny models, by
+default). The compiled runs here take a minute or more on 2 cores (Inductor compiles each graph with a C++
 compiler), so they run under ``-m slow``; the argument handling runs by default."""
 
 from __future__ import annotations
