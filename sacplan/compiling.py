@@ -6,10 +6,12 @@
 * ``"model"`` (``compile=True`` without repeated blocks): the whole model compiled in place.
 
 Compiling in place keeps module names, so a plan applied before compiling (torchtitan's order: checkpointing,
-then compile) is found and removed as usual. What compile changes in memory: Inductor fuses pointwise ops, so
-some temporaries the eager step allocates never exist, and its partitioner may recompute cheap ops rather than
-save their outputs; inside a checkpointed region the plan's policy decides. A compiled step therefore peaks at
-most at the eager prediction (see ``benchmarks/RESULTS.md`` for measured figures).
+then compile) is found and removed as usual. A block whose forward is PyTorch's own (``nn.Sequential``) is
+compiled through a frame of sacplan's (``Module.compile()`` alone would leave it eager). What compile changes in
+memory, and how :func:`sacplan.validation.validate` predicts it: :mod:`sacplan.compiled_layout` (Inductor's
+channels-last copies for convolutions) and :mod:`sacplan.compiled_saves` (what a planned compiled region saves
+beyond eager). Inductor's fusion and its partitioner's recomputation where no plan decides are not modelled:
+they only lower the compiled peak (see ``benchmarks/RESULTS.md`` for measured figures).
 """
 
 from __future__ import annotations

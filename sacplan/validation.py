@@ -376,8 +376,10 @@ def validate(
             before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
         compile: run both steps compiled with Inductor (:mod:`sacplan.compiling`): ``True`` compiles each
             repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
-            choose. The plan is applied before compiling. The prediction is the eager step's: compiled steps
-            peak at most there. Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
+            choose. The plan is applied before compiling. The prediction is for the compiled step: the eager
+            step's with Inductor's layout copies replayed and what a planned compiled region saves beyond eager
+            (:mod:`sacplan.compiled_layout`, :mod:`sacplan.compiled_saves`); fusion is not modelled, so compiled
+            steps peak at or below it (measured on CPU: 0-29% below). Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
             nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
             all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
             draw different ones.
