@@ -45,9 +45,9 @@ class LlamaStage(nn.Module):
             h = self.tok_embeddings(x)  # (B, S, D)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(torch.arange(S, device=x.device))
-        else:
-            h, S = x, x.shape[1]
-        rope = self.rope_cache[:S] if self.rope_cache is not None else None  # (S, hd/2, 2)
+            rope = self.rope_cache[:S] if self.rope_cache is not None else None  # (S, hd/2, 2)
+        else:  # x may be a sequence shard (sequence parallelism): the attention takes the rows of its length
+            h, rope = x, self.rope_cache  # (max_seq_len, hd/2, 2)
         for layer in self.layers.values():
             h = layer(h, rope)  # (B, S, D)
         if self.output is not None:
