@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from sacplan.cli_mesh import mesh_requested, mp_policy_of
+from sacplan.cli_mesh import layout_views_ok, mesh_requested, mp_policy_of
 from sacplan.errors import ConfigError
 
 __all__ = ["add_pipeline_args", "per_rank_stats", "plan_pipeline", "stage_mesh"]
@@ -91,9 +91,10 @@ def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any,
     if composed:  # the stages build themselves in --dtype (rotary table fp32) or as fp32 masters under the policy
         fns, _, _ = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"],
                                     dtype=None if mp_policy_of(args) else dtype, overrides=spec.overrides)
-    stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss, target=tokens,
-                             device=device, dtype=None if composed else dtype, model_name=spec.label, progress=say,
-                             **composed)
+    with layout_views_ok():
+        stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss,
+                                 target=tokens, device=device, dtype=None if composed else dtype,
+                                 model_name=spec.label, progress=say, **composed)
     stats = per_rank_stats(stats, args)
     if say:
         say("solving every rank")
