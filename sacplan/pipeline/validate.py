@@ -4,7 +4,9 @@
 TCP port), each running :func:`~sacplan.pipeline.measure.measure_rank` twice — without a plan, then with its rank's
 plan — and returns one :class:`RankReport` per rank: measured vs predicted peak both ways, and whether the warm-up
 step's gradients are bitwise equal. Stage factories, inputs and loss must pickle (module-level functions,
-``functools.partial``), as for any spawned process.
+``functools.partial``), as for any spawned process. Stats collected on a mesh (``collect_pipeline(mesh=,
+parallelize=)``) are validated on one process per mesh rank, each parallelizing its stages on a gloo
+``DeviceMesh`` with the same function; every process is compared with its pipeline rank's prediction.
 """
 
 from __future__ import annotations
