@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from sacplan.collector.step import local_shard_step
 from sacplan.errors import ConfigError
 from sacplan.pipeline.fake_group import fake_process_group, sends_hold_tensors, static_schedule
 from sacplan.pipeline.schedule import (
@@ -248,7 +249,8 @@ class _RankStep:
         else:  # under the rank module's one call (see PipelineRank)
             model(lambda: run_schedule_step(self.sched, self.held, self.n, inputs, target, self.mb))
         if opt is not None:
-            opt.step()
+            with local_shard_step(opt):  # DTensor parameters (a mesh) step through their local shards
+                opt.step()
             opt.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)

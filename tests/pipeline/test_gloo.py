@@ -4,8 +4,9 @@
 For every rank: the measured peak of a steady-state step (sacplan's StepRecorder on the real tensors, the CPU RNG
 states checkpoint stashes included) within 1% of the prediction without a plan (the collected stats' peak) and with
 it (the plan's), the plan in force (the measured peak drops where the plan discards anything), and the first step's
-gradients bitwise equal with and without the plan. The 2-rank 1F1B case runs by default; the other schedules and the
-4-rank pipelines under ``-m slow`` (benchmarks/pipeline_validation.py writes the same table to RESULTS.md).
+gradients bitwise equal with and without the plan. The 2-rank 1F1B case runs by default; the other schedules, the
+4-rank pipelines and the pipelines composed with TP or FSDP2 (4 processes) under ``-m slow``
+(benchmarks/pipeline_validation.py writes the same table to RESULTS.md).
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ def test_schedules(schedule, ranks, per_rank, microbatches):
 
 
 @pytest.mark.slow
-def test_1f1b_two_ranks_with_tensor_parallel_two():
-    """pp 2 x tp 2 (4 processes): tiny Llama stages under torchtitan's TP plan (sequence parallel) on a gloo
-    DeviceMesh, the PipelineStages on the "pp" group; every process within 1% of its pipeline rank's prediction
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp_shard": 2}], ids=["pp2xtp2", "pp2xdp_shard2"])
+def test_1f1b_two_ranks_composed_with_a_mesh(mesh):
+    """pp 2 x tp 2 and pp 2 x dp_shard 2 (4 processes each): tiny Llama stages under torchtitan's layout (TP with
+    sequence parallelism; FSDP2 without resharding after forward, as under PP) on a gloo DeviceMesh, the
+    PipelineStages on the "pp" group; every process within 1% of its pipeline rank's prediction
     (collect_pipeline(mesh=...) on the fake group), without and with the plan, gradients bitwise equal."""
     import functools
 
@@ -84,7 +88,7 @@ def test_1f1b_two_ranks_with_tensor_parallel_two():
     par = functools.partial(parallelize_llama, reshard_after_forward=False)
     fns, toks, loss = preset_pipeline(get_model("llama-tiny"), 2, batch=4, seq=64, dtype=None)
     stats = collect_pipeline(fns, toks, schedule="1F1B", microbatches=4, loss_fn=loss, target=toks, device="cpu",
-                             mesh={"tp": 2}, parallelize=par)
+                             mesh=mesh, parallelize=par)
     budgets = []
     for s in stats:
         lo = min_feasible_budget(ModuleTree(s))
@@ -92,4 +96,4 @@ def test_1f1b_two_ranks_with_tensor_parallel_two():
     pplan = solve_pipeline(stats, budgets)
     reports = validate_pipeline(fns, toks, stats, pplan, loss_fn=loss, target=toks, parallelize=par)
     assert sorted(r.process for r in reports) == [0, 1, 2, 3] and [r.rank for r in reports] == [0, 0, 1, 1]
-    _check(reports, pplan.plans, "1F1B pp2 x tp2")
+    _check(reports, pplan.plans, f"1F1B pp2 x {mesh}")
