@@ -100,12 +100,15 @@ def mesh_stage_io(
     with fake_mesh(dims, 0) as device_mesh:
         sub = par.sub_mesh(device_mesh)
 
-        def run(i: int, args: tuple[Any, ...]) -> Any:
-            mode = CollectiveFakeMode(allow_non_fake_inputs=True)
-            mod = build_fake_model(stage_fns[i], None, mode, dtype, prepare=lambda m: parallelize(m, sub) or m)
+        mode = CollectiveFakeMode(allow_non_fake_inputs=True)
+
+        def build(i: int) -> nn.Module:
+            return build_fake_model(stage_fns[i], None, mode, dtype, prepare=lambda m: parallelize(m, sub) or m)
+
+        def call(stage: nn.Module, args: tuple[Any, ...]) -> Any:
             with mode:
                 fakes = tuple(torch.empty(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad)
                               if isinstance(a, torch.Tensor) else a for a in args)
-                return mod(*fakes)
+                return stage(*fakes)
 
-        return chain_stage_io(len(stage_fns), first_microbatch(inputs, microbatches, dtype), run)
+        return chain_stage_io(len(stage_fns), first_microbatch(inputs, microbatches, dtype), build, call)

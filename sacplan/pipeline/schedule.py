@@ -110,14 +110,12 @@ def stage_io(
         ConfigError: a stage fails on the previous one's output, or returns no tensor.
     """
 
-    def run(i: int, args: tuple[Any, ...]) -> Any:
+    def build(i: int) -> nn.Module:
         with torch.device("meta"):
             mod = stage_fns[i]()
-        if dtype is not None:
-            mod = mod.to(dtype)
-        return mod(*args)
+        return mod.to(dtype) if dtype is not None else mod
 
-    return chain_stage_io(len(stage_fns), first_microbatch(inputs, microbatches, dtype), run)
+    return chain_stage_io(len(stage_fns), first_microbatch(inputs, microbatches, dtype), build)
 
 
 def first_microbatch(inputs: Any, microbatches: int, dtype: torch.dtype | None) -> tuple[Any, ...]:
@@ -133,9 +131,13 @@ def first_microbatch(inputs: Any, microbatches: int, dtype: torch.dtype | None) 
     return split_microbatches(tree_map(lambda t: _meta_like(t, dtype), inputs), microbatches)[0]
 
 
-def chain_stage_io(num_stages: int, first: tuple[Any, ...], run: Callable[[int, tuple[Any, ...]], Any]) -> list[StageIO]:
-    """:class:`StageIO` of ``num_stages`` stages chained from the first stage's inputs ``first``: ``run(i, args)``
-    runs stage ``i`` on ``args`` (stage ``i - 1``'s outputs); the recorded tensors are ``meta`` copies.
+def chain_stage_io(
+    num_stages: int, first: tuple[Any, ...], build: Callable[[int], nn.Module],
+    call: Callable[[nn.Module, tuple[Any, ...]], Any] = lambda mod, args: mod(*args),
+) -> list[StageIO]:
+    """:class:`StageIO` of ``num_stages`` stages chained from the first stage's inputs ``first``: ``build(i)``
+    builds stage ``i``, ``call(stage, args)`` runs it on ``args`` (stage ``i - 1``'s outputs); the recorded
+    tensors are ``meta`` copies.
 
     Raises:
         ConfigError: a stage fails on the previous one's output, or returns something other than plain tensors.
@@ -143,10 +145,9 @@ def chain_stage_io(num_stages: int, first: tuple[Any, ...], run: Callable[[int, 
     out: list[StageIO] = []
     args: tuple[Any, ...] = first
     for i in range(num_stages):
+        mod = build(i)
         try:
-            res = run(i, args)
-        except ConfigError:
-            raise
+            res = call(mod, args)
         except Exception as e:
             raise ConfigError(
                 f"pipeline stage {i} failed on its input (shapes {[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}): "
