@@ -88,6 +88,10 @@ def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any,
     fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=dtype,
                                         overrides=spec.overrides)
     composed = stage_mesh(args)
+    tp = composed.get("mesh", {}).get("tp", 1)
+    if knobs["seq"] is not None and knobs["seq"] % tp:
+        raise ConfigError(f"--seq {knobs['seq']} does not split into {tp} sequence shards (the TP layout's sequence "
+                          f"parallelism hands each stage a shard): give a multiple of --tp {tp}")
     if composed:  # the stages build themselves in --dtype (rotary table fp32) or as fp32 masters under the policy
         fns, _, _ = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"],
                                     dtype=None if mp_policy_of(args) else dtype, overrides=spec.overrides)

@@ -72,7 +72,8 @@ def llama_stage_fns(config: LlamaConfig, num_stages: int, dtype: torch.dtype | N
     """
     n = config.n_layers
     if num_stages > n:
-        raise ConfigError(f"{num_stages} pipeline stages need at least {num_stages} layers, the model has {n}")
+        raise ConfigError(f"{num_stages} pipeline stages need at least {num_stages} layers, the model has {n}: "
+                          "use at most as many stages as layers")
     sizes = [n // num_stages + (1 if i < n % num_stages else 0) for i in range(num_stages)]
     starts = [sum(sizes[:i]) for i in range(num_stages)]
     return [functools.partial(_build, config, starts[i], sizes[i], i == 0, i == num_stages - 1, dtype)

@@ -66,9 +66,10 @@ def test_pp_with_tp_and_dp_shard_plans_each_stage_on_the_composed_mesh(tmp_path,
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--pp", "2", "--tp", "3"], "tensor parallel degree 3 does not divide n_heads=4"),
+    (["--pp", "2", "--tp", "3", "--seq", "48"], "tensor parallel degree 3 does not divide n_heads=4"),
     (["--pp", "3", "--tp", "2"], "3 pipeline stages need at least 3 layers"),
     (["--pp", "2", "--tp", "2", "--world-size", "2"], "drop --world-size"),
+    (["--pp", "2", "--tp", "2", "--seq", "31"], "--seq 31 does not split into 2 sequence shards"),
 ])
 def test_pp_with_impossible_mesh_layouts_are_one_line_errors(argv, msg, capsys):
     rc = main(["plan", "llama-tiny", "--seq", "32", "-q"] + argv)
