@@ -85,16 +85,15 @@ def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any,
         raise ConfigError(f"--batch {batch} does not split into {mb} microbatches; give a multiple of --microbatches")
     say = None if args.quiet else (lambda s: print(f"sacplan: {s}", file=sys.stderr, flush=True))
     dtype = parse_dtype(knobs["dtype"])
-    fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=dtype,
-                                        overrides=spec.overrides)
     composed = stage_mesh(args)
     tp = composed.get("mesh", {}).get("tp", 1)
     if knobs["seq"] is not None and knobs["seq"] % tp:
         raise ConfigError(f"--seq {knobs['seq']} does not split into {tp} sequence shards (the TP layout's sequence "
                           f"parallelism hands each stage a shard): give a multiple of --tp {tp}")
-    if composed:  # the stages build themselves in --dtype (rotary table fp32) or as fp32 masters under the policy
-        fns, _, _ = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"],
-                                    dtype=None if mp_policy_of(args) else dtype, overrides=spec.overrides)
+    # on the mesh the stages are built in --dtype (the rotary table fp32), or as fp32 masters under the policy
+    stage_dtype = None if composed and mp_policy_of(args) is not None else dtype
+    fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=stage_dtype,
+                                        overrides=spec.overrides)
     with layout_views_ok():
         stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss,
                                  target=tokens, device=device, dtype=None if composed else dtype,
