@@ -4,10 +4,11 @@
     python3 benchmarks/conformance_compiled.py hf-gpt2 --budget near-min --compile model
 
 Per model: :func:`sacplan.validate` with ``compile=True`` (each repeated block compiled, as torchtitan does;
-``--compile model`` for the whole model) at one of the suite's budgets (default midway), beside the eager
-prediction: measured and predicted peaks without and with the plan, error = (measured - predicted) / measured
-(negative: the compiled step needs less than predicted), gradients (compiled steps are not bitwise equal:
-Inductor fuses differently with recomputation). Recomputed FLOPs are not counted under compile. Uses the
+``--compile model`` for the whole model) at one of the suite's budgets (default midway), beside the prediction
+for the compiled step (``sacplan.compiled_layout``, ``sacplan.compiled_saves``): measured and predicted peaks
+without and with the plan, error = (measured - predicted) / measured (negative: the compiled step needs less
+than predicted), gradients (compiled steps are not always bitwise equal: Inductor fuses differently with
+recomputation). Set ``TORCHINDUCTOR_CACHE_DIR`` to reuse compiled code between runs. Recomputed FLOPs are not counted under compile. Uses the
 suite's own model registry and budgets (tests/conformance/test_conformance.py, via conformance_tiny.py).
 Inductor compiles every graph with the host's C++ compiler: minutes per model on 2 cores.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from sacplan.fqns import inside
 from sacplan.stats import ModelStats
 
 __all__ = ["repeated_blocks"]
@@ -51,5 +52,5 @@ def repeated_blocks(stats: ModelStats) -> tuple[str, ...]:
     if n < 2:
         return ()
     chosen = [m.fqn for m in mods if not m.is_leaf and m.parent is not None and m.module_type == common]
-    outer = [f for f in chosen if not any(f != o and f.startswith(o + ".") for o in chosen)]
+    outer = [f for f in chosen if not any(f != o and inside(f, o) for o in chosen)]
     return tuple(outer)

@@ -486,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     _WARNED.clear()  # once per distinct text within one run of the CLI
     try:
-        from sacplan.solver.limits import progress_to  # inside the try: Ctrl-C during imports exits 130 too
+        from sacplan.solver.progress import progress_to  # inside the try: Ctrl-C during imports exits 130 too
 
         with warnings.catch_warnings(), progress_to(None if getattr(args, "quiet", False) else sys.stderr):
             warnings.showwarning = _one_line_warning  # no raw Python warning text (file:line, source line)

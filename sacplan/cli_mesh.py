@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 from sacplan.cli_models import UsageError
 
-__all__ = ["add_mesh_args", "check_mesh_args", "mesh_requested", "collect_on_mesh", "mp_policy_of"]
+__all__ = ["add_mesh_args", "check_mesh_args", "mesh_requested", "collect_on_mesh", "layout_views_ok", "mp_policy_of"]
 
 _MIXED = ("bf16", "fp16")
 
@@ -86,10 +87,17 @@ def collect_on_mesh(args: argparse.Namespace, spec: Any, device: Any, knobs: dic
     # mixed precision: fp32 masters, FSDP2 casts; otherwise the model in --dtype (bf16 by default)
     dtype = None if policy is not None else parse_dtype(knobs["dtype"])
     mesh = {"dp_shard": args.dp_shard or 1, "tp": args.tp or 1}
-    with warnings.catch_warnings():
-        # the layout hands the loss full logits through to_local() (a view); nothing writes to it in place
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    with layout_views_ok():
         return _collect_preset(p, overrides, dtype, policy, mesh, device, knobs, spec.label, progress)
+
+
+@contextlib.contextmanager
+def layout_views_ok() -> Iterator[None]:
+    """Silence FSDP2's warning that a wrapped module returned a view: torchtitan's layout hands on outputs
+    through ``to_local()`` (views), and nothing writes to them in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        yield
 
 
 def _collect_preset(p: Any, overrides: dict, dtype: Any, policy: Any, mesh: dict, device: Any, knobs: dict,

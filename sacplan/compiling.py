@@ -6,10 +6,12 @@
 * ``"model"`` (``compile=True`` without repeated blocks): the whole model compiled in place.
 
 Compiling in place keeps module names, so a plan applied before compiling (torchtitan's order: checkpointing,
-then compile) is found and removed as usual. What compile changes in memory: Inductor fuses pointwise ops, so
-some temporaries the eager step allocates never exist, and its partitioner may recompute cheap ops rather than
-save their outputs; inside a checkpointed region the plan's policy decides. A compiled step therefore peaks at
-most at the eager prediction (see ``benchmarks/RESULTS.md`` for measured figures).
+then compile) is found and removed as usual. A block whose forward is PyTorch's own (``nn.Sequential``) is
+compiled through a frame of sacplan's (``Module.compile()`` alone would leave it eager). What compile changes in
+memory, and how :func:`sacplan.validation.validate` predicts it: :mod:`sacplan.compiled_layout` (Inductor's
+channels-last copies for convolutions) and :mod:`sacplan.compiled_saves` (what a planned compiled region saves
+beyond eager). Inductor's fusion and its partitioner's recomputation where no plan decides are not modelled:
+they only lower the compiled peak (see ``benchmarks/RESULTS.md`` for measured figures).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 from sacplan.errors import ConfigError
@@ -51,7 +54,33 @@ def compile_model(model: nn.Module, how: str, blocks: Sequence[str], backend: st
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         if how == "blocks":
             for fqn in blocks:
-                model.get_submodule(fqn).compile(backend=backend)
+                _compile_in_place(model.get_submodule(fqn), backend)
             return f"{len(blocks)} repeated blocks compiled one by one ({backend})"
-        model.compile(backend=backend)
+        _compile_in_place(model, backend)
         return f"whole model compiled ({backend})"
+
+
+def _compile_in_place(module: nn.Module, backend: str) -> None:
+    """``module.compile()``; for a forward defined in PyTorch itself, compile it through a frame of ours.
+
+    ``Module.compile()`` compiles the module's ``_call_impl``, and Dynamo starts tracing at the first frame
+    outside its skip list: for a forward in ``torch.nn`` (``nn.Sequential``, ``nn.TransformerEncoderLayer``) there
+    is none, and nothing is compiled: the module runs eagerly, silently. ``torch.compile(module)`` adds a frame
+    of its own around such a module (``OptimizedModule``) and does compile it; this does the same without the
+    wrapper (module names stay). A planned module's forward is sacplan's (:mod:`sacplan.apply`): compiled as is.
+    """
+    forward = module.forward
+    if not _defined_in_torch(forward):
+        module.compile(backend=backend)
+        return
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    module.forward = torch.compile(traced, backend=backend)  # type: ignore[method-assign]
+
+
+def _defined_in_torch(fn: Any) -> bool:
+    """Whether ``fn`` (a bound method or function) is PyTorch's own code, where Dynamo does not start tracing."""
+    module = getattr(getattr(fn, "__func__", fn), "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")

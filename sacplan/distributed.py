@@ -63,8 +63,9 @@ from torch import nn
 from sacplan.collector.arguments import parse_dtype
 from sacplan.errors import ConfigError
 from sacplan.fsdp_units import (
-    Unit, UnitShard, UnitSpec, check_model, dtype_bytes, each_block_units, inside, resolve_units, unit_table,
+    Unit, UnitShard, UnitSpec, check_model, dtype_bytes, each_block_units, resolve_units, unit_table,
 )
+from sacplan.fqns import inside
 from sacplan.stats import MemoryEvent, ModelStats, Phase
 
 __all__ = ["shard_stats", "check_units", "each_block_units", "unit_modules", "UnitShard", "Unit"]

@@ -26,9 +26,10 @@ from sacplan.blocks import repeated_blocks
 from sacplan.collector.arguments import parse_dtype
 from sacplan.errors import ConfigError
 from sacplan.fingerprint import canonical_names, model_fingerprint
+from sacplan.fqns import inside
 from sacplan.stats import ModelStats, ModuleStats
 
-__all__ = ["Unit", "UnitShard", "each_block_units", "resolve_units", "unit_table", "dtype_bytes", "inside"]
+__all__ = ["Unit", "UnitShard", "each_block_units", "resolve_units", "unit_table", "dtype_bytes"]
 
 UnitSpec = str | Sequence[str | Sequence[str]] | Callable[[str, ModuleStats], bool] | None
 
@@ -48,11 +49,6 @@ def dtype_bytes(dtype: Any) -> int:
     if key not in _DTYPE_BYTES:
         return torch.empty((), dtype=parse_dtype(dtype)).element_size()  # "bf16", "fp32"...; ConfigError otherwise
     return _DTYPE_BYTES[key]
-
-
-def inside(fqn: str, module: str) -> bool:
-    """``fqn`` is ``module`` or lies in its subtree (everything lies in the root ``""``)."""
-    return module == "" or fqn == module or fqn.startswith(module + ".")
 
 
 @dataclass(frozen=True)
@@ -201,7 +197,7 @@ def check_model(stats: ModelStats, model: nn.Module) -> None:
     if stats.fingerprint and model_fingerprint(model) != stats.fingerprint:  # looks through FSDP2 / DDP / compile
         theirs = set(canonical_names(model).values())
         ours = {m.fqn for m in stats.modules}
-        containers = {n for n in theirs if any(o.startswith(n + ".") for o in ours) and n not in ours}
+        containers = {n for n in theirs if any(o != n and inside(o, n) for o in ours) and n not in ours}
         diff = sorted((ours ^ theirs) - containers - {""})[:3]
         raise ConfigError(
             "model is not the model these stats were collected from (module names or parameter shapes differ"

@@ -40,6 +40,12 @@ class OpGroup:
     flops: int = 0
 
 
+def stop_index(ops: Sequence[OpStat], recompute_stop: int | None) -> int:
+    """Index of the first op a recomputation of ``ops`` never re-runs: ``recompute_stop``, or (None: no stop)
+    one past the last op."""
+    return (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+
+
 def op_groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[OpGroup]:
     """Every group of ``ops`` (in order of their first op), forced or free; see the module docstring."""
     n = len(ops)

@@ -12,6 +12,7 @@ import math
 from typing import Any, Callable
 
 from sacplan.errors import PlanError
+from sacplan.fqns import inside
 
 #: Keys of one decision object and of the plan object (``Plan.to_dict``); any other key is refused (typos).
 DECISION_KEYS = frozenset(
@@ -98,7 +99,7 @@ def _check_saved_ops(where: str, ops: Any, resolve: Callable[[str], bool]) -> No
 
 def _ancestor(a: str, b: str) -> bool:
     """True when module ``a`` contains module ``b`` (``""`` is the root)."""
-    return a != b and (a == "" or b.startswith(a + "."))
+    return a != b and inside(b, a)
 
 
 def check_decisions(decisions: Any, resolve: Callable[[str], bool]) -> None:

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any, Iterable, Mapping
 
 from sacplan.devices import DeviceSpec
+from sacplan import fqns
 
 #: Memory categories tracked per allocation.
 class Phase(str, Enum):
@@ -337,11 +338,6 @@ class MemoryEvent:
         return cls(**dict(d))
 
 
-def _within(fqn: str, outer: str) -> bool:
-    """True when module ``fqn`` is ``outer`` or nested in it (``""`` is the root)."""
-    return not outer or fqn == outer or fqn.startswith(outer + ".")
-
-
 @dataclass(frozen=True)
 class ModelStats:
     """Everything one collected training step says about a model on a target device.
@@ -441,7 +437,7 @@ class ModelStats:
             # the engine runs one module's backward at a time: a call whose backward has not reported its end yet
             # (its hook waits on a gradient another module's backward starts from) is done once the running
             # module is neither it nor inside it
-            out.append(tuple(sorted(p for p in inside if _within(e.module, self.bw_pre_order[p]))))
+            out.append(tuple(sorted(p for p in inside if fqns.inside(e.module, self.bw_pre_order[p]))))
         return out
 
     def module(self, fqn: str) -> ModuleStats:

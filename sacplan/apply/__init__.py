@@ -143,6 +143,14 @@ class _PlannedForward:
         self.save_random = save_random
         self.mutation = mutation
         self.fused_dropout = fused_dropout
+        # A fully checkpointed region (nothing saved) of a module without buffers runs as plain checkpointing:
+        # the selective policy would decide nothing there. It saves only ops that write in place into the
+        # module's buffers (BatchNorm's statistics) or the region's inputs, and checkpointing refuses the latter
+        # anyway (its backward raises autograd's version error for any input written in the region, with or
+        # without the selective mode). The mode's Python dispatch on every op of the forward and the
+        # recomputation costs 23-119 us per op per pass on a real GPU (benchmarks/RESULTS.md). Same tensors
+        # saved, same recomputation: the same bytes and bitwise the same gradients.
+        self.full = not (saved or save_random or mutation)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature sees the module's own forward
@@ -192,6 +200,8 @@ class _PlannedForward:
                 allow_cache_entry_mutation=mutation or bool(outside),
             )
 
+        if self.full and next(module.buffers(), None) is None:
+            return checkpoint(run, *unique, use_reentrant=False)
         return checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn)
 
 

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sacplan.errors import ConfigError
 
-__all__ = ["fake_mesh", "check_mesh", "fsdp_units_of", "mesh_info", "CollectiveFakeMode"]
+__all__ = ["fake_mesh", "check_mesh", "forget_meshes", "fsdp_units_of", "mesh_info", "CollectiveFakeMode"]
 
 Parallelize = Callable[[nn.Module, Any], Any]
 
@@ -112,6 +112,31 @@ def fake_mesh(dims: Mapping[str, int], rank: int) -> Iterator[Any]:
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+            forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans, which hold ``DeviceMesh`` objects.
+
+    Two meshes of the same shape seen from different ranks compare equal (``DeviceMesh.__eq__`` ignores the
+    process groups), so after a fake group is destroyed a cached decision would hand the next collection (another
+    rank: rank 2's TP group is not rank 0's) a mesh whose groups no longer exist."""
+    from torch.distributed.tensor import _redistribute
+
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # pragma: no cover - older torch: the Python cache only
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    else:
+        _clear_sharding_prop_cache()
+    plans = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(plans, "cache_clear"):
+        plans.cache_clear()
+    clear = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear is not None:
+        clear()
 
 
 def fsdp_units_of(model: nn.Module) -> list[str | list[str]]:

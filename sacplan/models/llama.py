@@ -183,11 +183,15 @@ def rotary_table(max_seq_len: int, head_dim: int, theta: float, device: torch.de
 
 
 def apply_rotary(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate consecutive pairs of ``x`` (B, S, heads, hd) by the angles of ``rope`` (S, hd/2, 2).
+    """Rotate consecutive pairs of ``x`` (B, S, heads, hd) by the angles of ``rope`` (S, hd/2, 2), or by its
+    first ``S`` rows when it is longer (a pipeline stage without the embedding passes the whole table: under
+    sequence parallelism its input holds a shard of the sequence, and only the attention sees all of it).
 
     Same result as Llama's complex-number form, computed in float32 and cast back.
     """
     B, S, n, hd = x.shape
+    if rope.shape[0] != S:
+        rope = rope[:S]  # (S, hd/2, 2)
     pairs = x.float().reshape(B, S, n, hd // 2, 2)  # (B, S, n, hd/2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     cos = rope[..., 0].view(1, S, 1, hd // 2)

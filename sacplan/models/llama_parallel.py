@@ -18,6 +18,11 @@ sequence parallelism, then ``apply_fsdp``), written for this package's module na
 FSDP2 (on the ``dp_shard`` dimension): every block, then ``[norm, output]`` as one group with
 ``reshard_after_forward=False``, then the root, each with ``mp_policy`` (torchtitan's defaults). The attention
 modules' head counts are divided by the TP degree, as torchtitan's ``view(bs, seqlen, -1, head_dim)`` does.
+
+A pipeline stage (:class:`~sacplan.pipeline.presets.LlamaStage`: blocks in a ``ModuleDict``, the embedding only
+on the first stage, ``norm``/``output`` only on the last) gets the same plan for the modules it has, as
+torchtitan parallelizes each stage's model chunk; under pipeline parallelism torchtitan keeps the blocks
+unsharded between forward and backward (``reshard_after_forward=False``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch import nn
 
 from sacplan.errors import ConfigError
 
-__all__ = ["parallelize_llama", "llama_tp_plan"]
+__all__ = ["parallelize_llama", "llama_blocks", "llama_tp_plan"]
 
 
 def llama_tp_plan(block: bool) -> dict[str, Any]:
@@ -60,6 +65,13 @@ def llama_tp_plan(block: bool) -> dict[str, Any]:
     }
 
 
+def llama_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Llama (``layers``: a ``ModuleList``) or of a pipeline stage (a ``ModuleDict``
+    keyed by global layer index)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
 def _dim(mesh: Any, name: str) -> Any | None:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if name not in names:
@@ -76,6 +88,7 @@ def parallelize_llama(
     tp_dim: str = "tp",
     dp_dim: str = "dp_shard",
     plan: Any = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Apply torchtitan's TP plan on ``mesh[tp_dim]`` and FSDP2 on ``mesh[dp_dim]`` (either may be absent or 1).
 
@@ -86,12 +99,15 @@ def parallelize_llama(
         tp_dim, dp_dim: the mesh dimension names.
         plan: a sacplan :class:`~sacplan.plan.Plan` to apply before parallelizing (the place of torchtitan's
             ``apply_ac``); None: no checkpointing.
+        reshard_after_forward: FSDP2's choice for the blocks; torchtitan's default is True without pipeline
+            parallelism and False with it (each microbatch would all-gather the blocks again).
 
     Returns:
         ``model`` (parallelized in place).
 
     Raises:
-        ConfigError: the TP degree does not divide the heads, KV heads, FFN width, vocabulary or sequence.
+        ConfigError: the TP degree does not divide the heads, KV heads, FFN width, model dim or (on a model or
+            stage holding the embedding or output layer) the vocabulary.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -104,22 +120,28 @@ def parallelize_llama(
 
         apply_plan(model, plan)
     tp = _dim(mesh, tp_dim)
+    blocks = llama_blocks(model)
+    ends = {k: v for k, v in llama_tp_plan(block=False).items() if getattr(model, k, None) is not None}
     if tp is not None:
         n = tp.size()
-        for what, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("hidden_dim", cfg.ffn_hidden_dim),
-                            ("dim", cfg.dim), ("vocab_size", cfg.vocab_size)):
+        sizes = [("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("hidden_dim", cfg.ffn_hidden_dim), ("dim", cfg.dim)]
+        if "tok_embeddings" in ends or "output" in ends:
+            sizes.append(("vocab_size", cfg.vocab_size))
+        for what, value in sizes:
             if value % n:
                 raise ConfigError(f"tensor parallel degree {n} does not divide {what}={value}: pick a TP degree dividing it")
-        parallelize_module(model, tp, llama_tp_plan(block=False))
-        for blk in model.layers:
+        if ends:
+            parallelize_module(model, tp, ends)
+        for blk in blocks:
             parallelize_module(blk, tp, llama_tp_plan(block=True))
             blk.attention.n_heads //= n
             blk.attention.n_kv_heads //= n
     dp = _dim(mesh, dp_dim)
     if dp is not None:
         kw = {"mesh": dp, "mp_policy": mp_policy or MixedPrecisionPolicy()}
-        for blk in model.layers:
-            fully_shard(blk, **kw)
-        fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
+        for blk in blocks:
+            fully_shard(blk, reshard_after_forward=reshard_after_forward, **kw)
+        if getattr(model, "output", None) is not None:
+            fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
         fully_shard(model, **kw)
     return model

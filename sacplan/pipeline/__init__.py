@@ -4,7 +4,8 @@
 on fake tensors and returns one :class:`~sacplan.stats.ModelStats` per rank; ``sacplan.solve`` plans each rank on
 the one memory model (:mod:`sacplan.timeline`), which counts the microbatches in flight exactly;
 :func:`solve_pipeline` plans them all into one :class:`PipelinePlan` (one file, each stage's part applied with
-``apply_plan(stage, plan, stage=i)``); :func:`validate_pipeline` proves the plans on real gloo steps.
+``apply_plan(stage, plan, stage=i)``); :func:`validate_pipeline` proves the plans on real gloo steps. With
+``mesh=``/``parallelize=`` each rank is one rank of a pp × FSDP2 × TP job (:mod:`sacplan.pipeline.mesh`).
 
 Names load on first use (the CLI's ``--help`` imports no torch).
 """

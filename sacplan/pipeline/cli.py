@@ -3,9 +3,10 @@ over here when ``--pp`` is given).
 
 The preset is split into stages (:mod:`sacplan.pipeline.presets`), every rank collected over the schedule's step
 (:func:`~sacplan.pipeline.collect_pipeline`), each rank's stats composed with the other parallel dimensions
-(:func:`per_rank_stats`: ``--world-size`` FSDP2/DDP sharding today; the hook where tensor / data-parallel sharding
-of a stage's stats composes), planned (:func:`~sacplan.pipeline.solve_pipeline`) and printed stage by stage;
-``-o`` writes the one pipeline plan file.
+(:func:`per_rank_stats`: ``--world-size``'s simulated FSDP2/DDP sharding) or collected on the composed mesh
+(:func:`stage_mesh`: ``--tp``/``--dp-shard`` run torchtitan's layout on every stage, :mod:`sacplan.pipeline.mesh`),
+planned (:func:`~sacplan.pipeline.solve_pipeline`) and printed stage by stage; ``-o`` writes the one pipeline plan
+file.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import json
 import sys
 from typing import Any
 
+from sacplan.cli_mesh import layout_views_ok, mesh_requested, mp_policy_of
 from sacplan.errors import ConfigError
 
-__all__ = ["add_pipeline_args", "per_rank_stats", "plan_pipeline"]
+__all__ = ["add_pipeline_args", "per_rank_stats", "plan_pipeline", "stage_mesh"]
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +47,20 @@ def per_rank_stats(stats: list[Any], args: argparse.Namespace) -> list[Any]:
     return [shard_stats(s, ws, fsdp_units=units, mode=mode) for s in stats]
 
 
+def stage_mesh(args: argparse.Namespace) -> dict[str, Any]:
+    """``collect_pipeline``'s ``mesh``/``parallelize`` for ``--tp``/``--dp-shard`` (torchtitan's layout per stage,
+    blocks not resharded after forward as torchtitan does under pipeline parallelism; ``--mixed-precision``'s
+    policy), or ``{}`` without them."""
+    if not mesh_requested(args):
+        return {}
+    import functools
+
+    from sacplan.models.llama_parallel import parallelize_llama
+
+    return {"mesh": {"dp_shard": args.dp_shard or 1, "tp": args.tp or 1},
+            "parallelize": functools.partial(parallelize_llama, mp_policy=mp_policy_of(args), reshard_after_forward=False)}
+
+
 def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any, knobs: dict[str, Any]) -> int:
     """Collect, plan and print every stage (see module docstring); returns the exit code."""
     from sacplan.collector import parse_dtype
@@ -69,10 +85,19 @@ def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any,
         raise ConfigError(f"--batch {batch} does not split into {mb} microbatches; give a multiple of --microbatches")
     say = None if args.quiet else (lambda s: print(f"sacplan: {s}", file=sys.stderr, flush=True))
     dtype = parse_dtype(knobs["dtype"])
-    fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=dtype,
+    composed = stage_mesh(args)
+    tp = composed.get("mesh", {}).get("tp", 1)
+    if knobs["seq"] is not None and knobs["seq"] % tp:
+        raise ConfigError(f"--seq {knobs['seq']} does not split into {tp} sequence shards (the TP layout's sequence "
+                          f"parallelism hands each stage a shard): give a multiple of --tp {tp}")
+    # on the mesh the stages are built in --dtype (the rotary table fp32), or as fp32 masters under the policy
+    stage_dtype = None if composed and mp_policy_of(args) is not None else dtype
+    fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=stage_dtype,
                                         overrides=spec.overrides)
-    stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss, target=tokens,
-                             device=device, dtype=dtype, model_name=spec.label, progress=say)
+    with layout_views_ok():
+        stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss,
+                                 target=tokens, device=device, dtype=None if composed else dtype,
+                                 model_name=spec.label, progress=say, **composed)
     stats = per_rank_stats(stats, args)
     if say:
         say("solving every rank")
@@ -84,6 +109,10 @@ def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any,
         print(json.dumps(plan.to_dict(), indent=2, default=str))
     else:
         print(f"batch {batch} ({mb} microbatches of {batch // mb}), seq {knobs['seq']}, dtype {knobs['dtype']}")
+        if composed:
+            dims = stats[0].meta["distributed"]["mesh"]
+            print(f"mesh {' x '.join(f'{k} {v}' for k, v in dims.items())}: each stage planned as its rank at "
+                  "coordinate 0 of the other dimensions (the largest shards), observed on PyTorch's fake process group")
         print(plan.summary())
         if args.output:
             print(f"\npipeline plan written to {args.output}")

@@ -18,8 +18,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from sacplan.collector.step import local_shard_step
 from sacplan.errors import ConfigError
-from sacplan.pipeline.fake_group import fake_process_group, static_schedule
+from sacplan.pipeline.fake_group import fake_process_group, sends_hold_tensors, static_schedule
 from sacplan.pipeline.schedule import (
     MULTI_STAGE,
     SCHEDULES,
@@ -89,6 +90,8 @@ def collect_pipeline(
     runtime: str = "roofline",
     model_name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    mesh: Mapping[str, int] | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
 ) -> list[ModelStats]:
     """Collect every pipeline rank's step: element ``r`` describes rank ``r`` over one schedule step.
 
@@ -105,17 +108,25 @@ def collect_pipeline(
             ``loss_fn(output, target)`` when ``target`` is given; default: sacplan's default loss.
         target: the full batch's target (split like ``inputs``), passed to ``loss_fn``.
         device, dtype, optimizer, runtime, model_name, progress: as for :func:`sacplan.collect`.
+        mesh: the other dimensions of each pipeline rank (``{"dp_shard": 2, "tp": 2}``): the job is a
+            ``("pp", *mesh)`` mesh of ``num_ranks × prod(mesh)`` ranks on PyTorch's fake process group, the stages
+            send on the ``"pp"`` group, and pipeline rank ``r`` is collected as mesh coordinate ``(r, 0, …)``
+            (:mod:`sacplan.pipeline.mesh`). ``inputs`` is then one data-parallel rank's batch.
+        parallelize: with ``mesh``, ``fn(stage_module, device_mesh)`` applying FSDP2 / TP to one stage on the mesh
+            without ``"pp"`` (e.g. :func:`sacplan.models.llama_parallel.parallelize_llama`), as for
+            :func:`sacplan.collect`; each stage a rank holds is parallelized on its own.
 
     Returns:
         One :class:`ModelStats` per rank; ``meta["pipeline"]`` says the schedule, microbatches, rank, its stages and
-        every stage module's fingerprint (what a pipeline plan checks a stage against).
+        every stage module's fingerprint (what a pipeline plan checks a stage against); with ``mesh``,
+        ``meta["distributed"]`` is the rank's place in the composed mesh, as ``collect(mesh=...)`` records it.
         Plan rank ``r`` with ``sacplan.solve(sacplan.ModuleTree(stats[r]), budget)``.
 
     Raises:
         ConfigError: bad arguments, or a process group already initialised in this process.
         CollectionError: a rank's fake step failed.
     """
-    from sacplan.collector import collect, parse_dtype
+    from sacplan.collector import parse_dtype
 
     say = progress or (lambda s: None)
     key = schedule_key(schedule)
@@ -127,31 +138,75 @@ def collect_pipeline(
         if key in MULTI_STAGE:
             raise ConfigError(f"{SCHEDULES[key]}: pass num_ranks (rank r holds stages r, r + num_ranks, ...)")
         num_ranks = n
+    rank_stages(0, num_ranks, n, key)  # the stage count fits the schedule
     dt = parse_dtype(dtype)
-    io = stage_io(fns, inputs, microbatches, dt)
-    loss = pipeline_loss(loss_fn, target is not None)
+    dims = None
+    if mesh is not None or parallelize is not None:
+        from sacplan.pipeline.mesh import mesh_stage_io, pipeline_dims
+
+        if mesh is None or parallelize is None:
+            raise ConfigError("mesh= and parallelize= go together: mesh={'dp_shard': D, 'tp': T} and "
+                              "parallelize=fn(stage_module, device_mesh)")
+        dims = pipeline_dims(num_ranks, mesh)
+        say(f"stage boundaries on the {' x '.join(f'{k} {v}' for k, v in dims.items())} mesh")
+        io = mesh_stage_io(fns, inputs, microbatches, dt, dims, parallelize)
+    else:
+        io = stage_io(fns, inputs, microbatches, dt)
     from sacplan.fingerprint import model_fingerprint
 
     metas = [_meta_stage(f) for f in fns]
     name = model_name or type(metas[0]).__name__
     stage_fps = [model_fingerprint(m) for m in metas]
     del metas
+    job = _Job(fns, num_ranks, io, key, microbatches, pipeline_loss(loss_fn, target is not None), dict(
+        device=device, dtype=dt, optimizer=optimizer, runtime=runtime, progress=progress), dims, parallelize)
     out = []
     for r in range(num_ranks):
         held = rank_stages(r, num_ranks, n, key)
         say(f"pipeline rank {r}: stages {list(held)}")
-        rank_inputs = _rank_inputs(inputs, target, held, n)
-        step = _RankStep(held, n, io, key, microbatches, loss, n_inputs=len(rank_inputs) - (target is not None and n - 1 in held))
-        with fake_process_group(r, num_ranks):
-            stats = collect(
-                lambda held=held: rank_module(fns, held), rank_inputs, train_step=step, device=device, dtype=dt,
-                optimizer=optimizer, runtime=runtime, model_name=f"{name} pp{r}", progress=progress,
-            )
+        stats = job.collect_rank(r, held, _rank_inputs(inputs, target, held, n), target is not None, f"{name} pp{r}")
         meta = dict(stats.meta)
         meta["pipeline"] = dict(schedule=SCHEDULES[key], microbatches=microbatches, rank=r, num_ranks=num_ranks,
                                 stages=list(held), num_stages=n, stage_fingerprints=stage_fps)
         out.append(dataclasses.replace(stats, meta=meta))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every rank's collection shares: the stages, their boundaries, the schedule, the loss, the
+    :func:`sacplan.collect` knobs and, when composed, the mesh dimensions and the parallelize function."""
+
+    fns: Sequence[Callable[[], nn.Module]]
+    num_ranks: int
+    io: Sequence[Any]
+    key: str
+    microbatches: int
+    loss: Callable[[Any, Any], torch.Tensor]
+    knobs: Mapping[str, Any]
+    dims: Mapping[str, int] | None
+    parallelize: Callable[[nn.Module, Any], Any] | None
+
+    def collect_rank(self, r: int, held: Sequence[int], rank_inputs: tuple, has_target: bool, label: str) -> ModelStats:
+        """Pipeline rank ``r``'s stats: its schedule step under its own fake process group (module docstring), or
+        as mesh coordinate ``(r, 0, …)`` of the composed mesh (:mod:`sacplan.pipeline.mesh`)."""
+        from sacplan.collector import collect
+
+        n = len(self.fns)
+        n_inputs = len(rank_inputs) - (has_target and n - 1 in held)
+        build = lambda: rank_module(self.fns, held)  # noqa: E731
+        if self.dims is None:
+            step = _RankStep(held, n, self.io, self.key, self.microbatches, self.loss, n_inputs=n_inputs)
+            with fake_process_group(r, self.num_ranks):
+                return collect(build, rank_inputs, train_step=step, model_name=label, **self.knobs)
+        from sacplan.pipeline.mesh import StageParallelizer, mesh_rank
+
+        par = StageParallelizer(self.parallelize, self.dims)  # type: ignore[arg-type]
+        step = _RankStep(held, n, self.io, self.key, self.microbatches, self.loss, n_inputs=n_inputs,
+                         group=lambda: par.group)
+        with sends_hold_tensors():
+            return collect(build, rank_inputs, train_step=step, model_name=label, mesh=dict(self.dims),
+                           parallelize=par, rank=mesh_rank(r, self.dims), **self.knobs)
 
 
 def _meta_stage(fn: Callable[[], nn.Module]) -> nn.Module:
@@ -175,15 +230,17 @@ class _RankStep:
     optimizer step. The stages and the schedule are built on the first call and kept, as in training."""
 
     def __init__(self, held: Sequence[int], n: int, io: Sequence[Any], key: str, microbatches: int,
-                 loss: Callable[[Any, Any], torch.Tensor], n_inputs: int) -> None:
+                 loss: Callable[[Any, Any], torch.Tensor], n_inputs: int, group: Callable[[], Any] | None = None) -> None:
         self.held, self.n, self.io, self.key, self.mb, self.loss, self.n_inputs = held, n, io, key, microbatches, loss, n_inputs
+        self.group = group  # the pipeline's process group, when it is not the default one
         self.sched: Any = None
 
     def __call__(self, model: nn.Module, args: tuple, opt: torch.optim.Optimizer | None) -> None:
         if self.sched is None:
             mods = {self.held[0]: model} if len(self.held) == 1 else {i: model.stage(i) for i in self.held}  # type: ignore[operator]
             dev = next(iter(model.parameters()), torch.empty(0)).device
-            self.sched = build_schedule(mods, self.io, schedule=self.key, microbatches=self.mb, loss_fn=self.loss, device=dev)
+            self.sched = build_schedule(mods, self.io, schedule=self.key, microbatches=self.mb, loss_fn=self.loss,
+                                        device=dev, group=self.group() if self.group else None)
             static_schedule(self.sched)
         inputs = tuple(args[: self.n_inputs])
         target = args[self.n_inputs] if len(args) > self.n_inputs else None
@@ -192,7 +249,8 @@ class _RankStep:
         else:  # under the rank module's one call (see PipelineRank)
             model(lambda: run_schedule_step(self.sched, self.held, self.n, inputs, target, self.mb))
         if opt is not None:
-            opt.step()
+            with local_shard_step(opt):  # DTensor parameters (a mesh) step through their local shards
+                opt.step()
             opt.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)

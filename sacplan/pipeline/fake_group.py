@@ -43,7 +43,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[Any]:
 
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        with _sends_hold_tensors():
+        with sends_hold_tensors():
             yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
@@ -64,7 +64,7 @@ class _HeldWork:
 
 
 @contextlib.contextmanager
-def _sends_hold_tensors() -> Iterator[None]:
+def sends_hold_tensors() -> Iterator[None]:
     """``torch.distributed.isend`` returns a :class:`_HeldWork` for the duration (both names of the function are
     replaced: ``batch_isend_irecv`` tells sends from receives by identity)."""
     import torch.distributed as dist

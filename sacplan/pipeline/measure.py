@@ -16,13 +16,13 @@ a step after a warm-up step (optimizer state and the stages' receive buffers exi
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from sacplan.pipeline.collect import pipeline_loss, rank_module
-from sacplan.pipeline.schedule import build_schedule, rank_stages, run_schedule_step, schedule_key, stage_io
+from sacplan.pipeline.schedule import StageIO, build_schedule, rank_stages, run_schedule_step, schedule_key, stage_io
 
 __all__ = ["measure_rank"]
 
@@ -39,6 +39,9 @@ def measure_rank(
     target: torch.Tensor | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     seed: int = 0,
+    mesh: Mapping[str, int] | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    io: Sequence[StageIO] | None = None,
 ) -> dict[str, Any]:
     """This process's rank (``torch.distributed.get_rank()``) of the pipeline: warm-up step, then a measured one.
 
@@ -47,10 +50,13 @@ def measure_rank(
     the schedule is built. Stages are built after ``torch.manual_seed(seed)`` (every rank builds
     the same way, so runs with and without a plan start from the same weights). Returns the figures of the module
     docstring (bytes) and ``where`` (phase, module of the recorder's peak).
-    """
-    import torch.distributed as dist
 
-    from sacplan.apply import apply_plan
+    Composed with a mesh (as :func:`~sacplan.pipeline.collect_pipeline` collects it): ``mesh`` is the whole mesh's
+    dimensions (``{"pp": p, ...}``, the stats' ``meta["distributed"]["mesh"]``) over every process of the group,
+    this process's pipeline rank its ``"pp"`` coordinate; ``parallelize`` runs on each stage after the plan is
+    applied, and ``io`` (:func:`~sacplan.pipeline.mesh.mesh_stage_io`, computed before the process group starts)
+    gives the parallelized stage boundaries.
+    """
     from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, OTHER, PARAM
     from sacplan.collector.runtime import RuntimeModel
     from sacplan.collector.tracker import StepRecorder
@@ -60,19 +66,10 @@ def measure_rank(
 
     key = schedule_key(schedule)
     fns = list(stage_fns)
-    rank = dist.get_rank()
-    held = rank_stages(rank, num_ranks, len(fns), key)
-    io = stage_io(fns, inputs, microbatches)
-    torch.manual_seed(seed)
-    model = rank_module(fns, held)
-    mods = {held[0]: model} if len(held) == 1 else {i: model.stage(i) for i in held}  # type: ignore[operator]
-    if hasattr(plan, "for_stage"):  # a pipeline plan: each stage its part, as a training script applies it
-        for i, m in mods.items():
-            apply_plan(m, plan, stage=i)
-    elif plan is not None:
-        apply_plan(model, plan)
+    model, mods, rank, held, group = _build_rank(fns, key, num_ranks, plan, seed, mesh, parallelize)
+    io = io if io is not None else stage_io(fns, inputs, microbatches)
     sched = build_schedule(mods, io, schedule=key, microbatches=microbatches,
-                           loss_fn=pipeline_loss(loss_fn, target is not None), device=torch.device("cpu"))
+                           loss_fn=pipeline_loss(loss_fn, target is not None), device=torch.device("cpu"), group=group)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)))(params)
     n = len(fns)
@@ -105,7 +102,7 @@ def measure_rank(
             rec.register(list(model.buffers()), BUFFER)
             rec.register([t for t in (*first_in, tgt) if isinstance(t, torch.Tensor)], INPUT)
             schedule_step()  # warm-up: gradients to compare, then optimizer state
-            digests = {name: hashlib.sha256(p.grad.detach().numpy().tobytes()).hexdigest()
+            digests = {name: hashlib.sha256(_local(p.grad).detach().numpy().tobytes()).hexdigest()
                        for name, p in model.named_parameters() if p.grad is not None}
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -121,3 +118,38 @@ def measure_rank(
             h.remove()
     return dict(rank=rank, stages=list(held), peak_bytes=int(rec.step_peak), where=list(rec.step_peak_where),
                 profiler_peak_bytes=int(live + prof), live_at_start=int(live), grad_digests=digests)
+
+
+def _build_rank(fns: Sequence[Callable[[], nn.Module]], key: str, num_ranks: int, plan: Any, seed: int,
+                mesh: Mapping[str, int] | None, parallelize: Any) -> tuple[nn.Module, dict[int, nn.Module], int, tuple[int, ...], Any]:
+    """This process's rank module (plan applied, then parallelized on ``mesh`` when given), its stage modules by
+    index, its pipeline rank, the stages it holds and the pipeline's process group (None: the default one)."""
+    import torch.distributed as dist
+
+    from sacplan.apply import apply_plan
+
+    rank, par, dm = dist.get_rank(), None, None
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from sacplan.pipeline.mesh import PP_DIM, StageParallelizer
+
+        dm = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
+        rank, par = dm.get_local_rank(PP_DIM), StageParallelizer(parallelize, mesh)
+    held = rank_stages(rank, num_ranks, len(fns), key)
+    torch.manual_seed(seed)
+    model = rank_module(fns, held)
+    if hasattr(plan, "for_stage"):  # a pipeline plan: each stage its part, as a training script applies it
+        for i in held:
+            apply_plan(model if len(held) == 1 else model.stage(i), plan, stage=i)  # type: ignore[operator]
+    elif plan is not None:
+        apply_plan(model, plan)
+    if par is not None:
+        model = par(model, dm)
+    mods = {held[0]: model} if len(held) == 1 else {i: model.stage(i) for i in held}  # type: ignore[operator]
+    return model, mods, rank, held, par.group if par is not None else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -45,9 +45,9 @@ class LlamaStage(nn.Module):
             h = self.tok_embeddings(x)  # (B, S, D)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(torch.arange(S, device=x.device))
-        else:
-            h, S = x, x.shape[1]
-        rope = self.rope_cache[:S] if self.rope_cache is not None else None  # (S, hd/2, 2)
+            rope = self.rope_cache[:S] if self.rope_cache is not None else None  # (S, hd/2, 2)
+        else:  # x may be a sequence shard (sequence parallelism): the attention takes the rows of its length
+            h, rope = x, self.rope_cache  # (max_seq_len, hd/2, 2)
         for layer in self.layers.values():
             h = layer(h, rope)  # (B, S, D)
         if self.output is not None:
@@ -72,7 +72,8 @@ def llama_stage_fns(config: LlamaConfig, num_stages: int, dtype: torch.dtype | N
     """
     n = config.n_layers
     if num_stages > n:
-        raise ConfigError(f"{num_stages} pipeline stages need at least {num_stages} layers, the model has {n}")
+        raise ConfigError(f"{num_stages} pipeline stages need at least {num_stages} layers, the model has {n}: "
+                          "use at most as many stages as layers")
     sizes = [n // num_stages + (1 if i < n % num_stages else 0) for i in range(num_stages)]
     starts = [sum(sizes[:i]) for i in range(num_stages)]
     return [functools.partial(_build, config, starts[i], sizes[i], i == 0, i == num_stages - 1, dtype)

@@ -109,31 +109,68 @@ def stage_io(
     Raises:
         ConfigError: a stage fails on the previous one's output, or returns no tensor.
     """
+
+    def build(i: int) -> nn.Module:
+        with torch.device("meta"):
+            mod = stage_fns[i]()
+        return mod.to(dtype) if dtype is not None else mod
+
+    return chain_stage_io(len(stage_fns), first_microbatch(inputs, microbatches, dtype), build)
+
+
+def first_microbatch(inputs: Any, microbatches: int, dtype: torch.dtype | None) -> tuple[Any, ...]:
+    """The first microbatch of ``inputs`` as ``meta`` tensors (floating ones cast to ``dtype``).
+
+    Raises:
+        ConfigError: ``microbatches`` is not an integer >= 1.
+    """
     from torch.utils._pytree import tree_map
 
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    first = split_microbatches(tree_map(lambda t: _meta_like(t, dtype), inputs), microbatches)[0]
+    return split_microbatches(tree_map(lambda t: _meta_like(t, dtype), inputs), microbatches)[0]
+
+
+def chain_stage_io(
+    num_stages: int, first: tuple[Any, ...], build: Callable[[int], nn.Module],
+    call: Callable[[nn.Module, tuple[Any, ...]], Any] = lambda mod, args: mod(*args),
+) -> list[StageIO]:
+    """:class:`StageIO` of ``num_stages`` stages chained from the first stage's inputs ``first``: ``build(i)``
+    builds stage ``i``, ``call(stage, args)`` runs it on ``args`` (stage ``i - 1``'s outputs); the recorded
+    tensors are ``meta`` copies.
+
+    Raises:
+        ConfigError: a stage fails on the previous one's output, or returns something other than plain tensors.
+    """
     out: list[StageIO] = []
     args: tuple[Any, ...] = first
-    for i, fn in enumerate(stage_fns):
-        with torch.device("meta"):
-            mod = fn()
-        if dtype is not None:
-            mod = mod.to(dtype)
+    for i in range(num_stages):
+        mod = build(i)
         try:
-            res = mod(*args)
+            res = call(mod, args)
         except Exception as e:
             raise ConfigError(
                 f"pipeline stage {i} failed on its input (shapes {[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]}): "
                 f"{type(e).__name__}: {e}; each stage must take the previous stage's outputs as positional arguments"
             ) from e
         outs = tuple(res) if isinstance(res, (tuple, list)) else (res,)
-        if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
-            raise ConfigError(f"pipeline stage {i} must return a tensor or a tuple of tensors, got {type(res).__name__}")
-        out.append(StageIO(tuple(a for a in args if isinstance(a, torch.Tensor)), tuple(t.detach().requires_grad_(t.requires_grad) for t in outs)))
-        args = outs
+        if not outs or not all(_plain(t) for t in outs):
+            raise ConfigError(
+                f"pipeline stage {i} must return a tensor or a tuple of plain tensors, got "
+                f"{', '.join(type(t).__name__ for t in outs) or type(res).__name__}; a parallelized stage must hand "
+                "the next one local tensors (e.g. use_local_output=True, or .to_local())"
+            )
+        metas = tuple(_meta_like(t, None) for t in outs)
+        out.append(StageIO(tuple(_meta_like(a, None) for a in args if isinstance(a, torch.Tensor)), metas))
+        args = metas
     return out
+
+
+def _plain(t: Any) -> bool:
+    """A plain tensor (fake ones included), not a subclass a pipeline cannot send (a DTensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(t) is torch.Tensor or isinstance(t, FakeTensor)
 
 
 def build_schedule(

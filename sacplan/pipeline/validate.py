@@ -4,11 +4,14 @@
 TCP port), each running :func:`~sacplan.pipeline.measure.measure_rank` twice — without a plan, then with its rank's
 plan — and returns one :class:`RankReport` per rank: measured vs predicted peak both ways, and whether the warm-up
 step's gradients are bitwise equal. Stage factories, inputs and loss must pickle (module-level functions,
-``functools.partial``), as for any spawned process.
+``functools.partial``), as for any spawned process. Stats collected on a mesh (``collect_pipeline(mesh=,
+parallelize=)``) are validated on one process per mesh rank, each parallelizing its stages on a gloo
+``DeviceMesh`` with the same function; every process is compared with its pipeline rank's prediction.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,8 @@ class RankReport:
         profiler_baseline, profiler_plan: the CPU allocator's view of the same steps (cross-check; it misses frees
             gloo's threads make, so it may read high on ranks that send).
         grads_equal: every parameter's gradient of the first step is bitwise equal with and without the plan.
+        process: the process's rank in the whole group (under a composed mesh several processes share a pipeline
+            rank; otherwise ``rank``).
     """
 
     rank: int
@@ -46,6 +51,7 @@ class RankReport:
     profiler_baseline: int
     profiler_plan: int
     grads_equal: bool
+    process: int
 
     @property
     def baseline_error(self) -> float:
@@ -67,8 +73,11 @@ def validate_pipeline(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     target: torch.Tensor | None = None,
     seed: int = 0,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
 ) -> list[RankReport]:
-    """Run every rank's real schedule step without and with its plan (one spawned gloo process per rank).
+    """Run every rank's real schedule step without and with its plan (one spawned gloo process per rank; with
+    stats collected on a mesh, one per process of the mesh, each parallelizing its stages on a gloo
+    ``DeviceMesh`` as :func:`~sacplan.pipeline.collect_pipeline` did on the fake one).
 
     Args:
         stage_fns, inputs, loss_fn, target: as given to :func:`~sacplan.pipeline.collect_pipeline` (picklable).
@@ -77,6 +86,7 @@ def validate_pipeline(
         plans: per rank, a :class:`~sacplan.plan.Plan` solved on ``stats[rank]``, or one pipeline plan
             (:class:`~sacplan.pipeline.plans.PipelinePlan`) holding every rank's.
         seed: stages are built after ``torch.manual_seed(seed)`` in both runs.
+        parallelize: the function given to ``collect_pipeline`` with ``mesh=`` (picklable); required for such stats.
 
     Raises:
         ConfigError: the stats are not a pipeline's, or plans and ranks do not match.
@@ -89,6 +99,10 @@ def validate_pipeline(
     ws = int(info["num_ranks"])
     if len(stats) != ws:
         raise ConfigError(f"{len(stats)} stats for a pipeline of {ws} ranks")
+    dist_info = stats[0].meta.get("distributed") or {}
+    mesh = dict(dist_info["mesh"]) if dist_info.get("mode") == "mesh" else None
+    if (mesh is None) != (parallelize is None):
+        raise ConfigError("stats collected with mesh= are validated with the same parallelize= (and only they)")
     if hasattr(plans, "for_rank"):  # one pipeline plan: each rank applies it stage by stage (apply_plan(.., stage=i))
         docs = [("pipeline", plans.to_dict())] * ws  # type: ignore[union-attr]
         plans = [plans.for_rank(r) for r in range(ws)]  # type: ignore[union-attr]
@@ -98,21 +112,24 @@ def validate_pipeline(
     if len(plans) != ws:
         raise ConfigError(f"{len(plans)} plans for a pipeline of {ws} ranks: pass one per rank")
     job = dict(stage_fns=list(stage_fns), inputs=inputs, schedule=info["schedule"], microbatches=int(info["microbatches"]),
-               plans=docs, loss_fn=loss_fn, target=target, seed=seed)
+               num_ranks=ws, plans=docs, loss_fn=loss_fn, target=target, seed=seed, mesh=mesh, parallelize=parallelize)
+    processes = math.prod(mesh.values()) if mesh else ws
     with tempfile.TemporaryDirectory(prefix="sacplan-pp-") as tmp:
-        results, died = spawn_ranks(_worker, ws, Path(tmp) / "rdzv", job)
-    errors = [f"rank {r['rank']}: {r['error']}" for r in results if "error" in r]
-    if errors or died is not None or len(results) != ws:
+        results, died = spawn_ranks(_worker, processes, Path(tmp) / "rdzv", job)
+    errors = [f"process {r['rank']}: {r['error']}" for r in results if "error" in r]
+    if errors or died is not None or len(results) != processes:
         raise ValidationError("pipeline validation failed:\n" + "\n".join(errors or [str(died)]))
     out = []
-    for r in sorted(results, key=lambda r: r["rank"]):
+    for r in results:
         none, pl = r["none"], r["plan"]
+        pp = none["rank"]
         out.append(RankReport(
-            rank=r["rank"], stages=tuple(none["stages"]),
-            predicted_baseline=int(stats[r["rank"]].peak_bytes), measured_baseline=none["peak_bytes"],
-            predicted_plan=int(plans[r["rank"]].predicted_peak_bytes),
+            rank=pp, stages=tuple(none["stages"]),
+            predicted_baseline=int(stats[pp].peak_bytes), measured_baseline=none["peak_bytes"],
+            predicted_plan=int(plans[pp].predicted_peak_bytes),
             measured_plan=pl["peak_bytes"], profiler_baseline=none["profiler_peak_bytes"],
             profiler_plan=pl["profiler_peak_bytes"], grads_equal=none["grad_digests"] == pl["grad_digests"],
+            process=r["rank"],
         ))
     return out
 
@@ -122,18 +139,31 @@ def _plan_of(doc: tuple[str, dict], plan_cls: Any, pipeline_cls: Any) -> Any:
     return pipeline_cls.from_dict(d) if kind == "pipeline" else plan_cls.from_dict(d)
 
 
-def _worker(rank: int, ws: int, rdzv: str, job: dict, q: Any) -> None:
-    """One rank: join the gloo group, measure without and with the plan, report on ``q``."""
+def _worker(process: int, ws: int, rdzv: str, job: dict, q: Any) -> None:
+    """One process: join the gloo group, measure without and with the plan, report on ``q``. Under a mesh the
+    stage boundaries come first, on a fake group (:func:`~sacplan.pipeline.mesh.mesh_stage_io`), before joining."""
     from sacplan.pipeline.measure import measure_rank
     from sacplan.pipeline.plans import PipelinePlan
     from sacplan.plan import Plan
 
     def body() -> dict:
-        join_gloo(rank, ws, rdzv)
-        plan = _plan_of(job["plans"][rank], Plan, PipelinePlan)
+        io = None
+        if job["mesh"] is not None:
+            from sacplan.pipeline.mesh import mesh_stage_io
+
+            io = mesh_stage_io(job["stage_fns"], job["inputs"], job["microbatches"], None, job["mesh"], job["parallelize"])
+        join_gloo(process, ws, rdzv)
+        plan = _plan_of(job["plans"][_pipeline_rank(process, job)], Plan, PipelinePlan)
         return {name: measure_rank(job["stage_fns"], job["inputs"], schedule=job["schedule"],
-                                   microbatches=job["microbatches"], num_ranks=ws, plan=p, loss_fn=job["loss_fn"],
-                                   target=job["target"], seed=job["seed"])
+                                   microbatches=job["microbatches"], num_ranks=job["num_ranks"], plan=p,
+                                   loss_fn=job["loss_fn"], target=job["target"], seed=job["seed"], mesh=job["mesh"],
+                                   parallelize=job["parallelize"], io=io)
                 for name, p in (("none", None), ("plan", plan))}
 
-    report_and_exit(rank, q, body)
+    report_and_exit(process, q, body)
+
+
+def _pipeline_rank(process: int, job: dict) -> int:
+    """The pipeline rank of ``process``: its ``"pp"`` coordinate in the (row-major, pipeline-first) mesh."""
+    mesh = job["mesh"]
+    return process if mesh is None else process // (math.prod(mesh.values()) // job["num_ranks"])

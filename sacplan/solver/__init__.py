@@ -5,16 +5,18 @@
 * the problem: :class:`SacProblem` (``problem``: the Timeline read once, exact evaluation in bytes), its
   candidates (``candidates``) and their exact op-level options (``ops``, ``front``, ``knapsack``);
 * the strategies (``strategies.find``), each a module with one entry: the tree DP (``tree_dp``), the DP over
-  sequential blocks when many events bind (``chain_dp``), the budget MILP
-  (``budget_milp``: the heuristic incumbent and min-peak plan of ``search``, the local descent of ``descent``, the
-  LP proof of ``lp_proof``, the back-ends), the min-peak plan at the feasibility edge;
-* the judge (``judge``): exact bytes, repair, realisation as op save lists (``realise``);
+  sequential blocks when many events bind (``chain_dp``), the budget MILP (``budget_milp``: the incumbent of
+  ``heuristic`` with the local descent of ``descent``, the LP proof by count branching of ``count_branching``, the
+  back-ends), the min-peak plan at the feasibility edge (``min_peak``);
+* the judge (``judge``): exact bytes, repair (``repair``), realisation as op save lists (``realise``);
 * the Plan.
 
-Beneath: the formulation (``formulation``), the solver-neutral model (``model``), the back-ends (``backends``:
-``cbc``, ``highs``, HiGHS's count branching ``count_branching``), the settings (``options``) and the limits
-(``limits``: the deterministic work budget, the wall-clock safety net, progress, Ctrl-C). Beside the pipeline:
-``certify`` (how good can any plan be) and ``compat`` (PyTorch's ``sac_milp`` signature, and its Graph).
+Beneath: the formulation (``formulation``), the solver-neutral model (``model``: also Ctrl-C's
+``SolveInterrupted``), the back-ends (``backends``: ``cbc``, ``highs``, HiGHS's count branching
+``count_branching``), the settings (``options``), the limits (``limits``: the deterministic work budget, the
+wall-clock safety net) and the progress lines (``progress``). Beside the pipeline: ``certify`` (how good can any
+plan be) and ``compat`` (PyTorch's ``sac_milp`` signature; its Graph enters the same problem and budget MILP
+through an adapter).
 """
 
 from sacplan.solver.backends import SOLVERS, solve_model

@@ -83,7 +83,7 @@ def solve_model(
     Args:
         time_limit_s: wall-clock limit (None = none), capped by the active :func:`limits.deadline`; on expiry
             the best solution found is returned with status ``"time_limit"`` (``x`` None when none was found).
-            Ctrl-C raises :class:`limits.SolveInterrupted` carrying the best result so far.
+            Ctrl-C raises :class:`~sacplan.solver.model.SolveInterrupted` carrying the best result so far.
         gap_rel, gap_abs: stop once the relative / absolute gap is this small.
         threads: solver threads (None: serial CBC / one HiGHS thread, which keeps the search deterministic).
         warm_start: a full column vector to start from (a feasible incumbent helps a lot).

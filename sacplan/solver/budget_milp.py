@@ -1,7 +1,7 @@
 """The MILP strategy: the budget MILP searched from the heuristic's incumbent, solved to exactness in bytes.
 
-:func:`solve_budget_milp` is its one entry: the heuristic incumbent (:func:`~sacplan.solver.search.heuristic`),
-then an LP proof of it (:func:`~sacplan.solver.lp_proof.prove_by_lp_branching`) or the back-end's branch-and-bound
+:func:`solve_budget_milp` is its one entry: the heuristic incumbent (:func:`~sacplan.solver.heuristic.heuristic`),
+then an LP proof of it (:func:`~sacplan.solver.count_branching.prove_by_lp_branching`) or the back-end's branch-and-bound
 (:func:`~sacplan.solver.backends.solve_model`, class counts branched first), then no-good cuts over solutions a
 solver's tolerance let a few bytes over the budget. Everything is bounded by the call's work budget
 (:func:`~sacplan.solver.limits.work`); Ctrl-C returns the best plan so far when ``on_interrupt="incumbent"``.
@@ -18,11 +18,13 @@ import numpy as np
 from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import MilpIndex, columns_for, decision_from
-from sacplan.solver.lp_proof import prove_by_lp_branching
-from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel, SolveResult, interrupted_result
+from sacplan.solver.count_branching import prove_by_lp_branching
+from sacplan.solver.model import (
+    OPTIMAL, TIME_LIMIT, MilpModel, SolveInterrupted, SolveResult, interrupted_result,
+)
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.search import heuristic
+from sacplan.solver.heuristic import heuristic
 
 #: rounds of no-good cuts before the judge's ratio repair takes over
 MAX_CUTS = 32
@@ -53,7 +55,7 @@ def solve_budget_milp(
     warm = columns_for(problem, model, idx, *start) if start is not None else None
     try:
         res, cuts, by_lp = _exact_in_bytes(problem, model, idx, warm, budget, opts, lp_bound)
-    except limits.SolveInterrupted as e:
+    except SolveInterrupted as e:
         if opts.on_interrupt != "incumbent":
             raise
         res, cuts, by_lp = interrupted_result(e.result, model, warm, opts.backend), 0, False
@@ -78,33 +80,19 @@ def _exact_in_bytes(
     preprocessing off: on budgets met with equality its preprocessing has cut off the optimum (a 3-module
     tree: 25.912 ms "optimal" against 22.994 ms with it off, and by brute force).
     """
-    solver, gap_rel = opts.backend, opts.gap_rel
     binaries = (idx.y + [j for cols in idx.w.values() for j in cols]) if problem.exact else []
-    counts = idx.K + [n for n, _, _ in idx.N]  # class counts: how many blocks checkpoint / reach each option
+    # branch on class counts first (CBC's preprocessing would substitute the count columns away), then on how
+    # many members of a class reach each option level: llama-small x48 at 0.5 GiB, gap 5.8e-4 after 500 s without
+    # the level counts, proven in ~15 s with them (issue 14)
+    priorities = {**{k: 1 for k in idx.K}, **{n: 2 for n, _, _ in idx.N}}
     cuts = 0
     while True:
-        proven = prove_by_lp_branching(
-            model, warm, counts, gap_rel=gap_rel, lp_solver=lp_solver(solver), root_bound=lp_bound if not cuts else None,
-            solver_name=solver,
-        )
-        res = proven or solve_model(
-            model,
-            solver,
-            gap_rel=gap_rel,
-            gap_abs=1e-7,
-            threads=opts.threads,
-            warm_start=warm,
-            # branch on class counts first (CBC's preprocessing would substitute the count columns away), then
-            # on how many members of a class reach each option level: llama-small x48 at 0.5 GiB, gap 5.8e-4
-            # after 500 s without the level counts, proven in ~15 s with them (issue 14)
-            priorities={**{k: 1 for k in idx.K}, **{n: 2 for n, _, _ in idx.N}} or None,
-            options=["preprocess off"],
-        )
+        res, by_lp = prove_or_search(model, warm, priorities, opts, lp_bound if not cuts else None)
         if res.x is None or not binaries or cuts >= MAX_CUTS:
-            return res, cuts, proven is not None
+            return res, cuts, by_lp
         y, r = decision_from(problem, idx, res.x)
         if math.ceil(problem.peak(y, problem.snap(y, r)) - 1e-6) <= budget:
-            return res, cuts, proven is not None
+            return res, cuts, by_lp
         if limits.nodes_left() == 0 or limits.past_deadline("no-good cuts"):
             # no work left for another round: the judge repairs the few bytes over, unproven
             if res.status == OPTIMAL:
@@ -114,3 +102,23 @@ def _exact_in_bytes(
         zeros = [j for j in binaries if res.x[j] <= 0.5]
         model.add_row(f"cut{cuts}", zeros + ones, [1.0] * len(zeros) + [-1.0] * len(ones), lb=1.0 - len(ones))
         cuts += 1
+
+
+def prove_or_search(
+    model: MilpModel, warm: list[float] | None, priorities: dict[int, int], opts: SolverOptions,
+    root_bound: float | None,
+) -> tuple[SolveResult, bool]:
+    """``model`` solved from the incumbent ``warm``: proven by LP bounds alone, branching on the ``priorities``
+    columns (class counts; :func:`~sacplan.solver.count_branching.prove_by_lp_branching`), else by the back-end's
+    branch-and-bound, those columns branched on first (smaller priority first). ``root_bound``: the LP
+    relaxation's objective when known (ms). Returns the result and whether the LP bounds proved it."""
+    proven = prove_by_lp_branching(
+        model, warm, list(priorities), gap_rel=opts.gap_rel, root_bound=root_bound,
+        solve_lp=lambda lp: solve_model(lp, lp_solver(opts.backend)),
+        solver_name=opts.backend,
+    )
+    if proven is not None:
+        return proven, True
+    # CBC preprocessing has cut off optima at budgets met with equality (see _exact_in_bytes)
+    return solve_model(model, opts.backend, gap_rel=opts.gap_rel, gap_abs=1e-7, threads=opts.threads, warm_start=warm,
+                       priorities=priorities or None, options=["preprocess off"]), False

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.model import (
-    ERROR, INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveResult, relative_gap,
+    ERROR, INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveInterrupted, SolveResult, relative_gap,
 )
 
 
@@ -116,7 +116,7 @@ def solve_cbc(
             prob.solve(cmd)
         except KeyboardInterrupt:
             # CBC runs as a child process under its own time limit; its result is lost with the temp dir
-            raise limits.SolveInterrupted(None) from None
+            raise SolveInterrupted(None) from None
         except pulp.PulpSolverError as e:
             try:
                 with open(log_path) as f:

@@ -6,8 +6,11 @@ not raise, like PyTorch's).
 
 * ``graph`` a :class:`~sacplan.tree.ModuleTree`: sacplan's event-timeline memory model
   (:func:`sacplan.solver.solve`, ratio-only decisions, ``world_size`` = the ranks to plan for).
-* ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, solved
-  exactly (gap 1e-4 instead of 5%) with a tighter formulation. Per node ``i`` (GiB)::
+* ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, entering the
+  solver through an adapter (:func:`graph_problem`) as a :class:`~sacplan.solver.problem.SacProblem` whose
+  timeline has one forward event per node, solved by the budget MILP (:mod:`sacplan.solver.budget_milp`, gap
+  1e-4 instead of the reference's 5%) and repaired to fit exactly (:func:`~sacplan.solver.repair.repair`). Per
+  node ``i`` (bytes)::
 
       d_i  = ACM_i·r_i − (ACM_i − IA_i)·y_i,   (ACM_i − IA_i)/ACM_i·y_i ≤ r_i ≤ y_i
       m_i  = TA_i + AG_i − Σ_{j before i in fw_post_order} d_j + (P_1 + TG_i)/world_size ≤ budget
@@ -15,15 +18,15 @@ not raise, like PyTorch's).
       rcp_i ≥ slope_s·r_i + intercept_s·y_i             (the reference's big-M on rct replaced)
       minimise Σ_i sac_runtime_i · rcp_i
 
-  with the reference's unit rules (leaves, ``ac_units``, ``fsdp_units`` via ``is_submodule``), no nesting
-  along ancestor chains of ``ad_matrix`` (one row per node instead of one per ancestor pair) and the sums
-  ``Σ_{j before i} d_j`` as running-sum columns along ``fw_post_order``. The reference's ``max_m`` column is
-  any value between the true peak and the budget; here the returned peak is the true predicted peak.
+  with the reference's unit rules (leaves, ``ac_units``, ``fsdp_units`` via ``is_submodule``) and no nesting
+  along the ancestor chains of ``ad_matrix`` (laminar: each node's descendants are the contiguous pre-order run
+  after it). A candidate is a call with discardable bytes ``A = ACM``, overhead ``o = ACM − IA`` and the node's
+  trade-off lines; ``d_i`` is the running sums' ``A·r − o·y``. The reference's ``max_m`` column is any value
+  between the true peak and the budget; here the returned peak is the true predicted peak.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
@@ -31,16 +34,17 @@ import numpy as np
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solver import limits
+from sacplan.solver.budget_milp import solve_budget_milp
+from sacplan.solver.candidates import Candidate
+from sacplan.solver.formulation import build_budget_model, decision_from, running_columns
 from sacplan.solver.limits import DEFAULT_SOLVE_S
-from sacplan.solver.backends import solve_model
 from sacplan.solver.options import SolverOptions, resolve_options
-from sacplan.solver.lp_proof import prove_by_lp_branching
-from sacplan.solver.model import OPTIMAL, TIME_LIMIT, MilpModel
+from sacplan.solver.problem import SacProblem
+from sacplan.solver.repair import repair
 from sacplan.stats import ModelStats
+from sacplan.timeline import FW, Timeline
 from sacplan.tree import ModuleTree
 from sacplan.units import GiB, parse_budget
-
-_GIB = float(GiB)
 
 
 def _budget_bytes(memory_budget: float | int | str) -> int:
@@ -107,7 +111,7 @@ def sac_milp(
             int(plan.predicted_peak_bytes),
         )
     with limits.call(opts.time_limit_s, opts.work_limit):
-        return _graph_milp(graph, budget / _GIB, world_size, ac_units, fsdp_units, opts)
+        return _graph_milp(graph, budget, world_size, ac_units, fsdp_units, opts)
 
 
 def _is_submodule(desc: str, anc: str) -> bool:
@@ -115,305 +119,100 @@ def _is_submodule(desc: str, anc: str) -> bool:
     return anc + "." in desc
 
 
-@dataclasses.dataclass
-class _GraphMilp:
-    """PyTorch's Graph as the MILP of the module docstring: the nodes, the candidates and their per-node terms
-    (GiB), the model and its columns (``y``, ``r``, ``q`` per candidate; class counts ``kcols``)."""
-
-    nodes: list[Mapping[str, Any]]
-    cand: list[int]
-    ACM: np.ndarray
-    IA: np.ndarray
-    parent_c: dict[int, int]
-    model: MilpModel = dataclasses.field(default_factory=lambda: MilpModel(name="sacplan_sac_milp"))
-    y: dict[int, int] = dataclasses.field(default_factory=dict)
-    r: dict[int, int] = dataclasses.field(default_factory=dict)
-    kcols: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
-
-
 def _graph_milp(
-    graph: Any,
-    budget_gib: float,
-    world_size: int,
-    ac_units: Sequence[str] | None,
-    fsdp_units: Sequence[str] | None,
+    graph: Any, budget: int, world_size: int, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None,
     opts: SolverOptions,
-    _retry: bool = True,
 ) -> tuple[dict[str, float], float, int]:
+    """:func:`sac_milp` on PyTorch's Graph at ``budget`` bytes: its problem, the budget MILP, the repair."""
     nodes: list[Mapping[str, Any]] = list(graph.nodes)
     if not nodes:
         return {}, 0, -1
-    g = _units(graph, nodes, ac_units, fsdp_units)
-    memory = _Memory(graph, g, float(world_size))
-    if not memory.add_rows(g, budget_gib):
+    problem, caps = graph_problem(graph, nodes, world_size, ac_units, fsdp_units)
+    if problem.baseline_peak() <= budget:
+        return {}, 0.0, int(math.ceil(problem.baseline_peak() - 1e-6))
+    if problem.num_candidates == 0 or problem.lower_bound_peak() > budget:
         return {}, 0, -1
-    res = _solve_graph_model(g, opts)
-    if res.x is None or res.status not in (OPTIMAL, TIME_LIMIT):
+    model, idx, trivially_infeasible = build_budget_model(problem, float(budget))
+    if trivially_infeasible:
         return {}, 0, -1
-    decisions, peak = memory.read(g, res.x)
-    budget_bytes = int(math.floor(budget_gib * _GIB))  # whole bytes, never above the budget given
-    if peak > budget_bytes and _retry:
-        # within the solver's feasibility tolerance above the budget: solve again just below it
-        return _graph_milp(graph, budget_gib - (peak - budget_bytes + 1024) / _GIB, world_size, ac_units,
-                           fsdp_units, opts, _retry=False)
-    if peak > budget_bytes:
+    cols = running_columns(problem, model, idx, "C", list(caps), {}, forward=True)
+    for kc, col in cols.items():  # the reference's a_i >= 0: what is discarded so far never exceeds what exists
+        model.col_ub[col] = caps[kc] / GiB
+    idx.F.extend(cols.items())
+    res = solve_budget_milp(problem, model, idx, float(budget), opts).result
+    if res.x is None:
         return {}, 0, -1
-    return decisions, round(float(res.objective), 2), peak
+    y, r = decision_from(problem, idx, res.x)
+    r = repair(problem, y, r, float(budget))  # a solver's tolerance: raise ratios until it fits in bytes
+    if r is None:
+        return {}, 0, -1
+    # 4 digits like PyTorch's, rounded up: a larger ratio discards more, so the rounded plan stays within the
+    # budget (to the nearest, it could exceed it by up to 0.5e-4 of a node's memory)
+    ratios = np.array([_ratio_up(v) for v in r]) * y
+    decisions = {c.fqn: float(ratios[c.slot]) for c in problem.candidates if y[c.slot] > 0.5}
+    return decisions, round(float(res.objective), 2), int(math.ceil(problem.peak(y, ratios) - 1e-6))
 
 
-def _units(
-    graph: Any, nodes: list[Mapping[str, Any]], ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None
-) -> _GraphMilp:
-    """The candidates (the reference's y_i == 0 rules), their columns, no-nesting rows and class counts."""
+def graph_problem(
+    graph: Any, nodes: list[Mapping[str, Any]], world_size: int, ac_units: Sequence[str] | None,
+    fsdp_units: Sequence[str] | None,
+) -> tuple[SacProblem, dict[int, float]]:
+    """PyTorch's Graph as a :class:`SacProblem` (see the module docstring): one forward event per node at its
+    ``fw_post_order`` position, the candidates with their nesting, and the caps of the running sum ``F`` (bytes at
+    each candidate-entry count: the reference's ``a_i ≥ 0``, only those below every later one)."""
     n = len(nodes)
+    P1 = float(nodes[0]["param_per_module"])
+    cap = np.array([float(nd["act_total"]) + float(nd["act_grad_per_module"]) for nd in nodes])
+    base = cap + np.array([(P1 + float(nd["grad_total"])) / world_size for nd in nodes])
+    pos = np.array([int(nd["pos_fw_post_order"]) for nd in nodes], dtype=np.int64)
+    timeline = Timeline(
+        world_size=int(world_size), state_keep=1.0, phase=np.full(n, FW, dtype=np.int64),
+        module=tuple(nd["fqn"] for nd in nodes), base=base, pos=pos, extra=np.zeros(n),
+        fw_entries=tuple((f, 0) for f in graph.fw_post_order), bw_entries=(), active_event=np.zeros(0, dtype=np.int64),
+        active_pos=np.zeros(0, dtype=np.int64), fw_pos=pos, bw_pos=np.zeros(n, dtype=np.int64),
+        mixed=np.zeros(n, dtype=bool),
+    )
+    problem = SacProblem.of_timeline(timeline, _candidates(graph, nodes, ac_units, fsdp_units))
+    upper: dict[int, float] = {}
+    for i in range(n):
+        kc = int(problem.kc_fw[pos[i]])
+        if kc > 0:
+            upper[kc] = min(upper.get(kc, math.inf), float(cap[i]))
+    caps, run = {}, math.inf
+    for kc in sorted(upper, reverse=True):  # F is non-decreasing in kc: a cap above a later one never binds
+        if upper[kc] < run:
+            caps[kc] = run = upper[kc]
+    return problem, dict(sorted(caps.items()))
+
+
+def _candidates(
+    graph: Any, nodes: list[Mapping[str, Any]], ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None
+) -> list[Candidate]:
+    """The reference's units (its ``y_i == 0`` rules) with something to discard, in pre-order, each with its nearest
+    candidate ancestor of ``ad_matrix``."""
     ac_set = set(ac_units) if ac_units else None
-    cand: list[int] = []
-    ACM = np.zeros(n)
-    IA = np.zeros(n)
-    for i, nd in enumerate(nodes):
-        IA[i] = float(nd["act_fw_per_module"]) / _GIB
-        ACM[i] = max(float(nd["sac_memory"]), float(nd["act_fw_per_module"])) / _GIB
-        if nd["is_leaf"]:
-            continue
-        if ac_set is not None and nd["fqn"] not in ac_set:
-            continue
-        if fsdp_units and any(_is_submodule(f, nd["fqn"]) for f in fsdp_units):
-            continue
-        if ACM[i] <= 0:
-            continue  # nothing to discard (the reference would divide by zero here)
-        cand.append(i)
-    # ancestor chains from the reference's ad_matrix
+    chosen = [
+        i for i, nd in enumerate(nodes)
+        if not nd["is_leaf"] and (ac_set is None or nd["fqn"] in ac_set)
+        and not (fsdp_units and any(_is_submodule(f, nd["fqn"]) for f in fsdp_units))
+        and max(float(nd["sac_memory"]), float(nd["act_fw_per_module"])) > 0  # (the reference divides by it)
+    ]
     ad = np.asarray(graph.ad_matrix)
-    anc_c: dict[int, list[int]] = {j: [i for i in cand if i < j and ad[i][j] == 1] for j in cand}
-    parent_c = {j: (max(a) if a else -1) for j, a in anc_c.items()}
-    g = _GraphMilp(nodes, cand, ACM, IA, parent_c)
-    _unit_columns(g)
-    _nesting_rows(g, anc_c)
-    _class_counts(g)
-    return g
-
-
-def _unit_columns(g: _GraphMilp) -> None:
-    """Per candidate: y (checkpoint), r (discard ratio), q (recompute fraction above every trade-off line)."""
-    model, ACM, IA = g.model, g.ACM, g.IA
-    for i in g.cand:
-        y = g.y[i] = model.add_col(f"y{i}", 0.0, 1.0, True)
-        r = g.r[i] = model.add_col(f"r{i}", 0.0, 1.0)
-        q = model.add_col(f"q{i}", 0.0, math.inf, False, float(g.nodes[i]["sac_runtime"]))
-        model.add_row(f"ry{i}", [r, y], [1.0, -1.0], ub=0.0)
-        if ACM[i] > IA[i]:
-            model.add_row(f"rmin{i}", [r, y], [1.0, -(ACM[i] - IA[i]) / ACM[i]], lb=0.0)
-        for s, (sl, ic) in enumerate(zip(g.nodes[i]["slopes"], g.nodes[i]["intercepts"])):
-            sl, ic = float(sl), float(ic)
-            if sl <= 0 and ic <= 0:
-                continue
-            model.add_row(f"line{i}_{s}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
-
-
-def _nesting_rows(g: _GraphMilp, anc_c: dict[int, list[int]]) -> None:
-    """No checkpointed candidate inside another: one row per candidate along laminar chains (``u`` columns carry
-    "an ancestor is checkpointed"), else the reference's pairwise rows."""
-    model, y, parent_c = g.model, g.y, g.parent_c
-    laminar = all(
-        set(anc_c[j]) == (set(anc_c[parent_c[j]]) | {parent_c[j]} if parent_c[j] >= 0 else set()) for j in g.cand
-    )
-    if not laminar:  # pragma: no cover - non-laminar names: the reference's pairwise rows
-        for j in g.cand:
-            for i in anc_c[j]:
-                model.add_row(f"nest{i}_{j}", [y[i], y[j]], [1.0, 1.0], ub=1.0)
-        return
-    has_child = {i: False for i in g.cand}
-    for j in g.cand:
-        if parent_c[j] >= 0:
-            has_child[parent_c[j]] = True
-    u: dict[int, int] = {}
-    for j in g.cand:
-        p = parent_c[j]
-        if p < 0:
-            continue
-        up = u.get(p, y[p])
-        if has_child[j]:
-            u[j] = model.add_col(f"u{j}", 0.0, 1.0)
-            model.add_row(f"nest{j}", [u[j], up, y[j]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
-        else:
-            model.add_row(f"nest{j}", [up, y[j]], [1.0, 1.0], ub=1.0)
-
-
-def _class_counts(g: _GraphMilp) -> None:
-    """Identical candidates: count columns ``K = Σ_class y`` (branched on first; see sacplan.solver.budget_milp)."""
-    classes: dict[tuple, list[int]] = {}
-    for i in g.cand:
-        nd = g.nodes[i]
-        key = (g.ACM[i], g.IA[i], float(nd["sac_runtime"]), tuple(nd["slopes"]), tuple(nd["intercepts"]))
-        classes.setdefault(key, []).append(i)
-    for members in sorted(classes.values()):
-        if len(members) >= 2:
-            k = g.model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
-            g.kcols.append((k, members))
-            g.model.add_row(f"Kdef{members[0]}", [k] + [g.y[i] for i in members], [1.0] + [-1.0] * len(members),
-                            lb=0, ub=0)
-
-
-class _Memory:
-    """The reference's memory per node along ``fw_post_order`` (GiB): ``base`` (no checkpointing), ``cap``
-    (what discards can lower), each node's position, and the candidates' positions for the running sums."""
-
-    def __init__(self, graph: Any, g: _GraphMilp, ws: float) -> None:
-        nodes, n = g.nodes, len(g.nodes)
-        post = list(graph.fw_post_order)
-        name2idx = {nd["fqn"]: i for i, nd in enumerate(nodes)}
-        P1 = float(nodes[0]["param_per_module"]) / _GIB
-        self.base, self.cap, self.pos = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64)
-        for i, nd in enumerate(nodes):
-            TA = float(nd["act_total"]) / _GIB
-            AG = float(nd["act_grad_per_module"]) / _GIB
-            TG = float(nd["grad_total"]) / _GIB
-            self.cap[i] = TA + AG
-            self.base[i] = TA + AG + (P1 + TG) / ws
-            self.pos[i] = int(nd["pos_fw_post_order"])
-        self.entries = [name2idx[f] for f in post]  # node index per fw_post_order position
-        cset = set(g.cand)
-        self.cand_pos = [p for p, i in enumerate(self.entries) if i in cset]
-        self.kc_of_pos = np.searchsorted(np.asarray(self.cand_pos, dtype=np.int64), np.arange(len(post) + 1),
-                                         side="left")
-
-    def add_rows(self, g: _GraphMilp, budget_gib: float) -> bool:
-        """The running-sum columns ``F`` with each node's need as a bound (dominated ones dropped); False when
-        no plan can fit (the state alone, or a need before any candidate)."""
-        if np.any(self.base - self.cap > budget_gib + 1e-12):  # the state part alone exceeds the budget
-            return False
-        need: dict[int, float] = {}
-        upper: dict[int, float] = {}
-        for i in range(len(g.nodes)):
-            kc = int(self.kc_of_pos[self.pos[i]])
-            nd_ = self.base[i] - budget_gib
-            if nd_ > 0:
-                if kc == 0:
-                    return False
-                need[kc] = max(need.get(kc, -math.inf), nd_)
-            if kc > 0:
-                upper[kc] = min(upper.get(kc, math.inf), self.cap[i])
-        lbs, ubs = _monotone_bounds(need, upper)
-        prev_col, prev_kc = -1, 0
-        for kc in sorted(set(lbs) | set(ubs)):
-            col = g.model.add_col(f"F{kc}", max(0.0, lbs.get(kc, 0.0)), ubs.get(kc, math.inf))
-            ind, val = [col], [1.0]
-            if prev_col >= 0:
-                ind.append(prev_col)
-                val.append(-1.0)
-            for p in self.cand_pos[prev_kc:kc]:
-                i = self.entries[p]
-                ind += [g.r[i], g.y[i]]
-                val += [-g.ACM[i], g.ACM[i] - g.IA[i]]
-            g.model.add_row(f"Fdef{kc}", ind, val, lb=0.0, ub=0.0)
-            prev_col, prev_kc = col, kc
-        return True
-
-    def read(self, g: _GraphMilp, x: Sequence[float]) -> tuple[dict[str, float], int]:
-        """The decisions of solution ``x`` (ratios rounded up to 4 digits) and their true predicted peak (bytes)."""
-        n = len(g.nodes)
-        decisions: dict[str, float] = {}
-        rv = np.zeros(n)
-        yv = np.zeros(n)
-        for i in g.cand:
-            if x[g.y[i]] > 0.5:
-                yv[i] = 1.0
-                # 4 digits like PyTorch's, rounded up: a larger ratio discards more, so the rounded plan stays
-                # within the budget (to the nearest, it could exceed it by up to 0.5e-4 of a node's memory)
-                rv[i] = _ratio_up(x[g.r[i]])
-                decisions[g.nodes[i]["fqn"]] = rv[i]
-        d = g.ACM * rv - (g.ACM - g.IA) * yv
-        dpos = np.array([d[i] for i in self.entries])
-        F = np.concatenate([[0.0], np.cumsum(dpos)])
-        m = self.base - F[self.pos]
-        return decisions, int(math.ceil(float(np.max(m)) * _GIB - 1e-6))
-
-
-def _monotone_bounds(need: dict[int, float], upper: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
-    """Dominance: F is non-decreasing in kc, so only needs above every earlier one and caps below every later
-    one bind."""
-    kcs = sorted(set(need) | set(upper))
-    run = -math.inf
-    lbs: dict[int, float] = {}
-    for kc in kcs:
-        if kc in need and need[kc] > run:
-            lbs[kc] = need[kc]
-            run = need[kc]
-    run = math.inf
-    ubs: dict[int, float] = {}
-    for kc in reversed(kcs):
-        if kc in upper and upper[kc] < run:
-            ubs[kc] = upper[kc]
-            run = upper[kc]
-    return lbs, ubs
-
-
-def _solve_graph_model(g: _GraphMilp, opts: SolverOptions) -> Any:
-    """The warm start (LP relaxation, rounded, ratios re-solved), then an LP proof or the back-end's search."""
-    from sacplan.solver.backends import lp_solver
-
-    solver = opts.backend
-    warm, lp_bound = _warm_start(g.model, g.cand, g.y, g.parent_c, solver)
-    proven = prove_by_lp_branching(
-        g.model, warm, [k for k, _ in g.kcols], gap_rel=opts.gap_rel, lp_solver=lp_solver(solver),
-        root_bound=lp_bound, solver_name=solver,
-    )
-    return proven or solve_model(
-        g.model,
-        solver,
-        gap_rel=opts.gap_rel,
-        gap_abs=1e-7,
-        time_limit_s=opts.time_limit_s,
-        warm_start=warm,
-        priorities={k: 1 for k, _ in g.kcols} or None,
-        options=["preprocess off"],  # CBC preprocessing has cut off optima at tight budgets (see budget_milp)
-    )
+    parent = [max((s for s, a in enumerate(chosen) if a < j and ad[a][j] == 1), default=-1) for j in chosen]
+    out = []
+    for s, i in enumerate(chosen):
+        nd = nodes[i]
+        IA = float(nd["act_fw_per_module"])
+        ACM = max(float(nd["sac_memory"]), IA)
+        out.append(Candidate(
+            slot=s, node=i, fqn=nd["fqn"], calls=1, max_discard_bytes=ACM, act_bytes=(ACM,),  # type: ignore[arg-type]
+            recompute_ms=float(nd["sac_runtime"]), slopes=tuple(float(v) for v in nd["slopes"]),
+            intercepts=tuple(float(v) for v in nd["intercepts"]), parent_slot=parent[s], has_child=s in parent,
+            overhead_bytes=(ACM - IA,), min_ratio=(ACM - IA) / ACM,
+        ))
+    return out
 
 
 def _ratio_up(r: float) -> float:
     """A discard ratio in [0, 1] rounded up to 4 digits (never below the solver's value)."""
     return min(1.0, math.ceil(min(1.0, max(0.0, float(r))) * 1e4 - 1e-7) / 1e4)
-
-
-def _warm_start(model: MilpModel, cand: list[int], y: dict[int, int], parent_c: dict[int, int], solver: str):
-    from sacplan.solver.backends import lp_solver
-    from sacplan.solver.model import relaxed, relaxed_with_fixed
-
-    aux = lp_solver(solver)
-    lp = solve_model(relaxed(model), aux)
-    if lp.x is None:
-        return None, None
-    yl = {i: lp.x[y[i]] for i in cand}
-    best = None
-    for thr in (1e-6, 0.5):
-        chosen = {i for i in cand if yl[i] > thr}
-        # no nesting: keep the candidate with the larger LP value along each chain
-        for i in sorted(chosen, key=lambda i: (-yl[i], i)):
-            if i not in chosen:
-                continue
-            p = parent_c[i]
-            while p >= 0:
-                if p in chosen:
-                    chosen.discard(i)
-                    break
-                p = parent_c[p]
-        for j in list(chosen):
-            p = parent_c[j]
-            while p >= 0:
-                if p in chosen and p != j:
-                    chosen.discard(j)
-                    break
-                p = parent_c[p]
-        fixed = relaxed_with_fixed(model, {y[i]: (1.0 if i in chosen else 0.0) for i in cand})
-        sub = solve_model(fixed, aux)
-        if sub.x is None:
-            continue
-        x = list(sub.x)
-        for i in cand:
-            x[y[i]] = 1.0 if i in chosen else 0.0
-        # K columns are integral already (sums of fixed y)
-        if model.max_violation(x) > 1e-7:
-            continue
-        if best is None or model.evaluate(x) < model.evaluate(best):
-            best = x
-    return best, lp.objective

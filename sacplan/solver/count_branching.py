@@ -1,10 +1,14 @@
-"""Branching on class counts for HiGHS (:func:`branch_on_priorities`), which has no branching priorities.
+"""Branching on the count columns of classes of identical candidates (how many blocks are checkpointed, how many
+reach each option level), whose LP relaxation is weak only in *how many*: once a count is fixed the LP bound is
+(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds:
 
-The count columns of repeated blocks make the LP relaxation weak only in *how many* blocks are checkpointed: once
-that count is fixed the LP bound is (nearly) tight. So the priority columns are branched on here (depth first, LP
-bounds, the nearer side first), and each leaf (all priority columns integral in its LP) is solved by HiGHS's
-MILP under the incumbent as cutoff. Exact: the returned bound is the minimum over pruned and solved leaves.
-Work is counted (one node per LP, plus each leaf MILP's own nodes) against ``run.node_limit``: deterministic.
+* :func:`prove_by_lp_branching`: proves an incumbent optimal with LP relaxations alone (any back-end), before
+  any MILP; it gives up where a node would need one;
+* :func:`branch_on_priorities`: HiGHS's branch-and-bound by priorities, which HiGHS lacks: the priority columns
+  are branched on here (the nearer side first), and each leaf (all priority columns integral in its LP) is solved
+  by HiGHS's MILP under the incumbent as cutoff. Exact: the returned bound is the minimum over pruned and solved
+  leaves. Work is counted (one node per LP, plus each leaf MILP's own nodes) against ``run.node_limit``:
+  deterministic.
 """
 
 from __future__ import annotations
@@ -12,16 +16,86 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-from sacplan.solver import limits
+from sacplan.solver import limits, progress
 from sacplan.solver.highs import solve_highs
 from sacplan.solver.model import (
-    INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveResult, relative_gap, with_bounds,
+    INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveInterrupted, SolveResult, relative_gap, relaxed,
+    with_bounds,
 )
 
 #: one node of the search: (lower bounds, upper bounds, LP bound of the parent node)
 Node = tuple[dict[int, float], dict[int, float], float]
+#: column bounds of a node: (lower, upper) by column
+Bounds = tuple[dict[int, float], dict[int, float]]
+
+
+def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
+    """The first of ``cols`` whose value in ``x`` is fractional (None: all integral)."""
+    return next((j for j in cols if abs(x[j] - round(x[j])) > 1e-6), None)
+
+
+def _children(lb: dict[int, float], ub: dict[int, float], j: int, v: float) -> tuple[Bounds, Bounds]:
+    """The two nodes of branching column ``j`` at its fractional value ``v``: ``x_j ≤ ⌊v⌋`` and ``x_j ≥ ⌈v⌉``."""
+    return (lb, {**ub, j: float(math.floor(v))}), ({**lb, j: float(math.ceil(v))}, ub)
+
+
+def prove_by_lp_branching(
+    model: MilpModel,
+    incumbent: Sequence[float] | None,
+    branch_cols: Sequence[int],
+    *,
+    gap_rel: float,
+    gap_abs: float = 1e-9,
+    solve_lp: Callable[[MilpModel], SolveResult],
+    root_bound: float | None = None,
+    max_nodes: int = 16,
+    solver_name: str = "",
+) -> SolveResult | None:
+    """Try to prove ``incumbent`` optimal within the gap with LP relaxations alone, branching only on
+    ``branch_cols`` (integer count columns): a node is closed when its LP bound reaches the incumbent. Returns
+    an OPTIMAL result with the proven bound, or None when a node's LP is integral in those columns but still
+    below the incumbent, or after ``max_nodes`` LPs (each solved by ``solve_lp``): the MILP solver then takes over.
+    Exact: nothing is assumed about the solution beyond the LP bounds.
+    """
+    if incumbent is None:
+        return None
+    best = model.evaluate(incumbent)
+    tol = max(gap_abs, gap_rel * abs(best))
+    t0 = time.perf_counter()
+    closed: list[float] = []
+    stack: list[tuple[dict[int, float], dict[int, float]]] = [({}, {})]
+    nodes = 0
+    while stack:
+        lb, ub = stack.pop()
+        if nodes == 0 and root_bound is not None:
+            obj = root_bound
+            if best - obj <= tol:
+                closed.append(obj)
+                nodes += 1
+                continue
+        if nodes >= max_nodes:
+            return None
+        res = solve_lp(relaxed(with_bounds(model, lb, ub)))
+        nodes += 1
+        if res.status == INFEASIBLE:
+            continue
+        if res.x is None:
+            return None
+        if best - res.objective <= tol:
+            closed.append(res.objective)
+            continue
+        frac = _fractional(res.x, branch_cols)
+        if frac is None:
+            return None
+        down, up = _children(lb, ub, frac, res.x[frac])
+        stack += [down, up]  # the up side first
+    bound = min([best] + closed)
+    return SolveResult(
+        OPTIMAL, list(incumbent), best, bound, relative_gap(best, bound), time.perf_counter() - t0, solver_name,
+        f"optimal (incumbent meets the LP bounds of {nodes} count node(s))",
+    )
 
 
 def branch_on_priorities(
@@ -104,14 +178,12 @@ class _CountSearch:
             self.leaf_bounds.append(parent_bound)
             return
         sub = with_bounds(self.model, lb, ub)
-        relax = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in sub.__dict__.items()})
-        relax.col_int = [False] * relax.num_cols
         try:
-            lp = solve_highs(relax, RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
-        except limits.SolveInterrupted:
+            lp = solve_highs(relaxed(sub), RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
+        except SolveInterrupted:
             self.stack.append((lb, ub, parent_bound))
             self.stop = limits.WALL_CLOCK
-            raise limits.SolveInterrupted(self.summary()) from None
+            raise SolveInterrupted(self.summary()) from None
         self.nodes += 1
         if lp.status == INFEASIBLE:
             return
@@ -123,11 +195,11 @@ class _CountSearch:
         if self.prune_at(lp.objective):
             self.leaf_bounds.append(lp.objective)
             return
-        frac = next((j for j in self.order if abs(lp.x[j] - round(lp.x[j])) > 1e-6), None)
+        frac = _fractional(lp.x, self.order)
         if frac is not None and self.nodes < max_nodes:
             v = lp.x[frac]
-            down = (lb, {**ub, frac: float(math.floor(v))}, lp.objective)
-            up = ({**lb, frac: float(math.ceil(v))}, ub, lp.objective)
+            (dl, du), (ul, uu) = _children(lb, ub, frac, v)
+            down, up = (dl, du, lp.objective), (ul, uu, lp.objective)
             self.stack += [up, down] if v - math.floor(v) < 0.5 else [down, up]  # the nearer side first
             return
         self.leaf(sub, lp)
@@ -139,17 +211,17 @@ class _CountSearch:
         if self.best < INF:
             opts["objective_bound"] = self.best + max(self.run.gap_abs, 1e-9 * abs(self.best))
         try:
-            with limits.within(self.best, self.open_bound()):
+            with progress.within(self.best, self.open_bound()):
                 res = solve_highs(sub, dataclasses.replace(self.run, time_limit_s=self.left(), warm_start=ws,
                                                            node_limit=self.nodes_left()), opts)
-        except limits.SolveInterrupted as e:
+        except SolveInterrupted as e:
             leaf = e.result
             if leaf is not None and leaf.x is not None and leaf.objective < self.best:
                 self.best, self.best_x = leaf.objective, leaf.x
             self.leaf_bounds.append(lp.objective if leaf is None or not math.isfinite(leaf.bound)
                                     else max(lp.objective, min(leaf.bound, self.best)))
             self.stop = limits.WALL_CLOCK
-            raise limits.SolveInterrupted(self.summary()) from None
+            raise SolveInterrupted(self.summary()) from None
         self.nodes += res.nodes
         if res.status == INFEASIBLE:  # nothing better than the cutoff (or truly infeasible) in this leaf
             self.leaf_bounds.append(self.best if self.best < INF else INF)
@@ -161,4 +233,4 @@ class _CountSearch:
         if res.stopped_by and self.stop != limits.WALL_CLOCK:
             self.stop = res.stopped_by
         if self.best_x is not None:
-            limits.report(self.best, self.open_bound(), relative_gap(self.best, self.open_bound()))
+            progress.report(self.best, self.open_bound(), relative_gap(self.best, self.open_bound()))

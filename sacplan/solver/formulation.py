@@ -6,10 +6,9 @@ The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
   budget), :func:`build_min_peak_model` the MILP whose optimum is the smallest feasible budget; both return a
   :class:`MilpIndex` naming the columns of each candidate;
 * :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
-  :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation.
-
-Events whose worst case fits the budget, or that another event dominates, get no row (:func:`_select_events`).
-Bytes are in GiB in the model, times in ms.
+  :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation;
+* the row builders every model of the package shares (:func:`ratio_rows`, :func:`line_rows`,
+  :func:`nesting_rows`, :func:`count_column`, :func:`running_columns`).
 
 The model
 ---------
@@ -26,10 +25,9 @@ budget; minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recom
   and ``G_k = D - B_k`` built from the end; an fw/bw event becomes the lower bound
   ``F_k ≥ (base_e - budget)/GiB`` (resp. ``G_k``) on one column, an rc event the row
   ``G_k - extra_e/GiB · y_j ≥ (base_e - budget)/GiB``; an interleaved event (a pipeline stage's schedule:
-  :attr:`~sacplan.timeline.Timeline.mixed`) the row ``F_kf + G_kb - G_0 - added ≥ (base_e - budget)/GiB``.
-
-* ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant, for
-  branching; see below).
+  :attr:`~sacplan.timeline.Timeline.mixed`) the row ``F_kf + G_kb - G_0 - added ≥ (base_e - budget)/GiB``;
+* ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant: branched on
+  first, see :mod:`sacplan.solver.count_branching`).
 
 Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
 lines. Its options come from :func:`~sacplan.solver.ops.module_options` — the module's exact Pareto front of
@@ -42,21 +40,12 @@ for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solver.problem.S
 only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
 Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
 checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
-:func:`~sacplan.solver.milp.recompute_lower_bound` bounds every plan from below (fractional knapsack per module).
 
 Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
-(same or fewer discards, same or larger need) is dropped too, and trade-off lines never maximal on
-[0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
+(same or fewer discards, same or larger need) is dropped too (:func:`_select_events`), and trade-off lines never
+maximal on [0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
 ``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
 calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
-
-Solving: an incumbent from the LP relaxation (round ``y``, re-solve the ratios) is handed to the solver,
-which proves optimality to ``gap_rel`` (no MILP search at all when the incumbent already meets the LP
-bounds after branching on the count columns below: a few in-process LPs).
-Identical candidates (repeated blocks) get a count column ``K = Σ_class y`` branched on first: the LP is
-weak only in *how many* blocks to checkpoint, and once that count is fixed its bound is nearly tight, so
-the symmetric search over *which* blocks never starts. (Auxiliary LPs and op-level knapsacks run on
-in-process HiGHS when highspy is installed.)
 """
 
 from __future__ import annotations
@@ -334,32 +323,15 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
         idx.y.append(model.add_col(f"y{c.slot}", 0.0, 1.0, True))
         idx.r.append(model.add_col(f"r{c.slot}", 0.0, 1.0))
     for c in problem.candidates:
-        s = c.slot
-        model.add_row(f"ry{s}", [idx.r[s], idx.y[s]], [1.0, -1.0], ub=0.0)
-        if c.min_ratio > 0:  # a checkpointed call frees at least what it keeps (see Candidate.min_ratio)
-            model.add_row(f"rmin{s}", [idx.r[s], idx.y[s]], [1.0, -c.min_ratio], lb=0.0)
-    # no nested checkpointing: U_i = U_parent + y_i <= 1 along candidate chains
-    for c in problem.candidates:
-        s = c.slot
-        if c.parent_slot < 0:
-            continue
-        p = c.parent_slot
-        up = idx.u.get(p, idx.y[p])
-        if c.has_child:
-            idx.u[s] = model.add_col(f"u{s}", 0.0, 1.0)
-            model.add_row(f"nest{s}", [idx.u[s], up, idx.y[s]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
-        else:
-            model.add_row(f"nest{s}", [up, idx.y[s]], [1.0, 1.0], ub=1.0)
+        ratio_rows(model, c.slot, idx.y[c.slot], idx.r[c.slot], c.min_ratio)
+    idx.u = nesting_rows(model, {c.slot: idx.y[c.slot] for c in problem.candidates},
+                         {c.slot: c.parent_slot for c in problem.candidates},
+                         {c.slot: c.has_child for c in problem.candidates})
     if with_cost:
-        # Identical candidates (repeated blocks) form a class; K = Σ_{class} y is integer. The row is
-        # redundant (valid for any grouping) but lets branch-and-bound branch on *how many* blocks to
-        # checkpoint instead of on which, the source of the symmetric stall.
+        # identical candidates (repeated blocks): how many of a class are checkpointed
         for key, members in problem.classes():
-            if len(members) < 2:
-                continue
-            k = model.add_col(f"K{members[0]}", 0.0, float(len(members)), True)
-            idx.K.append(k)
-            model.add_row(f"Kdef{members[0]}", [k] + [idx.y[s] for s in members], [1.0] + [-1.0] * len(members), lb=0.0, ub=0.0)
+            if len(members) >= 2:
+                idx.K.append(count_column(model, "K", f"{members[0]}", [idx.y[s] for s in members]))
         for c in problem.candidates:
             s = c.slot
             w = c.calls * c.recompute_ms
@@ -383,24 +355,14 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
                 )
                 continue
             idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
-            for li, (sl, ic) in enumerate(zip(c.slopes, c.intercepts)):
-                if sl <= 0 and ic <= 0:
-                    continue  # implied by q >= 0
-                model.add_row(f"line{s}_{li}", [idx.q[s], idx.r[s], idx.y[s]], [1.0, -sl, -ic], lb=0.0)
+            line_rows(model, s, idx.q[s], idx.r[s], idx.y[s], c.slopes, c.intercepts)
         # exact classes: how many members reach each option level (integer, branched on with K)
         for key, members in problem.classes():
             if len(members) < 2 or members[0] not in idx.w:
                 continue
             for k in range(len(idx.w[members[0]])):
-                n = model.add_col(f"N{members[0]}_{k + 1}", 0.0, float(len(members)), True)
-                idx.N.append((n, members, k))
-                model.add_row(
-                    f"Ndef{members[0]}_{k + 1}",
-                    [n] + [idx.w[s][k] for s in members],
-                    [1.0] + [-1.0] * len(members),
-                    lb=0.0,
-                    ub=0.0,
-                )
+                idx.N.append((count_column(model, "N", f"{members[0]}_{k + 1}", [idx.w[s][k] for s in members]),
+                              members, k))
             # Symmetry breaking (valid, see :meth:`SacProblem.sequential`): of two checkpointed members, the earlier one
             # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
             seq = problem.sequential(members)
@@ -408,6 +370,52 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
                 for i, j in zip(seq, seq[1:]):
                     for k in range(len(idx.w[i])):
                         model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
+
+
+def ratio_rows(model: MilpModel, label: object, y: int, r: int, min_ratio: float) -> None:
+    """``r ≤ y`` and, when ``min_ratio > 0``, ``r ≥ min_ratio·y`` (a checkpointed call frees at least what it
+    keeps: :attr:`~sacplan.solver.candidates.Candidate.min_ratio`) for the columns ``y``, ``r`` of one candidate."""
+    model.add_row(f"ry{label}", [r, y], [1.0, -1.0], ub=0.0)
+    if min_ratio > 0:
+        model.add_row(f"rmin{label}", [r, y], [1.0, -min_ratio], lb=0.0)
+
+
+def line_rows(model: MilpModel, label: object, q: int, r: int, y: int, slopes: Sequence[float],
+              intercepts: Sequence[float]) -> None:
+    """``q ≥ slope·r + intercept·y`` for each trade-off line of one candidate (lines below 0 on [0, 1]: implied by
+    ``q ≥ 0``)."""
+    for li, (sl, ic) in enumerate(zip(slopes, intercepts)):
+        sl, ic = float(sl), float(ic)
+        if sl <= 0 and ic <= 0:
+            continue
+        model.add_row(f"line{label}_{li}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
+
+
+def nesting_rows(model: MilpModel, y: dict[int, int], parent: dict[int, int], has_child: dict[int, bool]) -> dict[int, int]:
+    """No checkpointed candidate inside another: ``u_i = u_parent + y_i ≤ 1`` along candidate chains (``u`` is
+    ``y`` at a chain's top; a chain's last candidate needs no ``u`` column). ``y``: candidate → its column, parents
+    before children; ``parent``: its nearest candidate ancestor (-1: none). Returns the ``u`` columns."""
+    u: dict[int, int] = {}
+    for s, ys in y.items():
+        p = parent[s]
+        if p < 0:
+            continue
+        up = u.get(p, y[p])
+        if has_child[s]:
+            u[s] = model.add_col(f"u{s}", 0.0, 1.0)
+            model.add_row(f"nest{s}", [u[s], up, ys], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
+        else:
+            model.add_row(f"nest{s}", [up, ys], [1.0, 1.0], ub=1.0)
+    return u
+
+
+def count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) -> int:
+    """An integer column counting the 0/1 ``cols`` of a class of identical candidates (``K``: how many are
+    checkpointed; ``N``: how many reach an option level): redundant, but branch-and-bound branches on *how many*
+    instead of *which*, the source of the symmetric stall."""
+    k = model.add_col(f"{kind}{label}", 0.0, float(len(cols)), True)
+    model.add_row(f"{kind}def{label}", [k] + list(cols), [1.0] + [-1.0] * len(cols), lb=0.0, ub=0.0)
+    return k
 
 
 def _sums(
@@ -422,14 +430,14 @@ def _sums(
     """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised): the
     timeline's :meth:`~sacplan.timeline.Timeline.running` sums as rows, at the candidate-entry counts ``kc`` a
     constraint reads (``columns_for`` fills them from the timeline itself)."""
-    Fcol = _running_columns(problem, model, idx, "F", fw_kcs, fw_lb, forward=True)
+    Fcol = running_columns(problem, model, idx, "F", fw_kcs, fw_lb, forward=True)
     idx.F.extend(Fcol.items())
-    Gcol = _running_columns(problem, model, idx, "G", bw_kcs, bw_lb, forward=False)
+    Gcol = running_columns(problem, model, idx, "G", bw_kcs, bw_lb, forward=False)
     idx.G.extend(Gcol.items())
     return Fcol, Gcol
 
 
-def _running_columns(
+def running_columns(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, name: str, kcs: Sequence[int], lb: dict[int, float],
     forward: bool,
 ) -> dict[int, int]:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sacplan.opgroups import OpGroup, split_groups
+from sacplan.opgroups import OpGroup, split_groups, stop_index
 from sacplan.stats import OpStat
 
 #: Pareto points the exact front may hold before it is thinned (see :func:`pareto_front`)
@@ -33,7 +33,7 @@ def pareto_front(
     a Llama-7B block has 44 free groups and a 438-point front (2 ms).
     """
     ops = tuple(ops)
-    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    stop = stop_index(ops, recompute_stop)
     saved_groups, free, _ = split_groups(ops, False, stop)
     front, complete = front_of_groups(free, cap)
     return front, free, {p for g in saved_groups for p in g.members}, complete

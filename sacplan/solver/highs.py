@@ -9,6 +9,7 @@ limit; the time limit is only the safety net.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from sacplan.errors import SolverError
-from sacplan.solver import limits
+from sacplan.solver import limits, progress
 from sacplan.solver.model import (
     ERROR,
     INF,
@@ -26,6 +27,7 @@ from sacplan.solver.model import (
     TIME_LIMIT,
     MilpModel,
     RunSettings,
+    SolveInterrupted,
     SolveResult,
     relative_gap,
 )
@@ -75,7 +77,7 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
         sol.value_valid = True
         h.setSolution(sol)
     t0 = time.perf_counter()
-    interrupted = limits.run_highs(h)
+    interrupted = _run(h)
     solve_s = time.perf_counter() - t0
     ms = h.getModelStatus()
     info = h.getInfo()
@@ -98,8 +100,42 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
                                    "solution vector was the warm start, not the better objective it reported")
     res = _result(model, ms, info, h.modelStatusToString(ms), x, objective, solve_s)
     if interrupted:
-        raise limits.SolveInterrupted(res)
+        raise SolveInterrupted(res)
     return res
+
+
+def _run(h: Any) -> bool:
+    """Run a prepared ``highspy.Highs`` in its solver thread, reporting progress; True when Ctrl-C stopped it
+    (the caller reads the best solution and raises :class:`~sacplan.solver.model.SolveInterrupted`)."""
+    stop = [False]
+    seen = [math.inf, -math.inf, math.inf]
+
+    def on_interrupt(e: Any) -> None:
+        d = e.data_out
+        try:
+            seen[0], seen[1], seen[2] = d.mip_primal_bound, d.mip_dual_bound, d.mip_gap
+        except AttributeError:  # pragma: no cover - older highspy
+            pass
+        if stop[0]:
+            e.interrupt()
+
+    for event in (h.cbMipInterrupt, h.cbSimplexInterrupt, h.cbIpmInterrupt):
+        event.subscribe(on_interrupt)
+    interrupted = False
+    thread = h.startSolve()
+    while True:
+        try:
+            done, _ = h.wait(0.2)
+            if done:
+                break
+            inc, bnd = seen[0], seen[1]
+            if math.isfinite(inc) and abs(inc) < 1e29:
+                progress.report(inc, bnd if abs(bnd) < 1e29 else -math.inf, seen[2] if abs(seen[2]) < 1e29 else math.inf)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop[0] = True
+    thread.join()
+    return interrupted
 
 
 def _configured(run: RunSettings, highs_options: Mapping[str, Any] | None) -> Any:

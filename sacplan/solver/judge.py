@@ -3,7 +3,7 @@
 :func:`judge` takes a :class:`~sacplan.solver.strategies.Found` (tree DP, MILP or min-peak) and
 
 1. checks it against the budget in exact bytes (:meth:`~sacplan.solver.problem.SacProblem.peaks`) and repairs
-   what a solver's tolerance let a few bytes over (:func:`~sacplan.solver.search.repair`: only raises ratios),
+   what a solver's tolerance let a few bytes over (:func:`~sacplan.solver.repair.repair`: only raises ratios),
    falling back to the min-peak plan when nothing can;
 2. snaps the ratios to the next exact option and drops checkpoints that discard nothing;
 3. realises the ratios as op save lists (:func:`~sacplan.solver.realise.realise`) and re-checks the realised
@@ -25,7 +25,8 @@ from sacplan.solver.model import TIME_LIMIT, relative_gap
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import realise
-from sacplan.solver.search import repair, solve_min_peak
+from sacplan.solver.min_peak import solve_min_peak
+from sacplan.solver.repair import repair
 from sacplan.solver.strategies import Found
 
 

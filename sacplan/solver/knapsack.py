@@ -9,8 +9,8 @@ taken first):
   are never re-run: non-reentrant checkpointing stops early once everything backward needs exists again).
 
 When the knapsack's LP relaxation (greedy by ms per byte) ends on a whole group its solution is integral and
-optimal, and no solver is called; otherwise the MILP is solved exactly (:func:`knapsack`). :class:`GreedyFill`
-is the greedy fill at many capacities of one module at once.
+optimal, and no solver is called (:class:`GreedyFill`, the one greedy fill); otherwise the MILP is solved exactly
+(:func:`knapsack`).
 """
 
 from __future__ import annotations
@@ -67,83 +67,57 @@ def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: 
 KNAPSACK_NODES = 10_000
 
 
-def knapsack(
-    ops: tuple[OpStat, ...], always: Sequence[OpGroup], free: Sequence[OpGroup], cap: int, solver: str, stop: int,
-    milp: bool = True,
-) -> tuple[OpSelection, float]:
-    """The 0/1 knapsack of :func:`~sacplan.solver.ops.select_ops` over groups already split by
-    :func:`~sacplan.opgroups.split_groups`.
+def knapsack(fill: "GreedyFill", cap: int, solver: str, milp: bool = True) -> tuple[OpSelection, float]:
+    """The 0/1 knapsack of :func:`~sacplan.solver.ops.select_ops` at ``cap`` saved bytes, over the split that
+    ``fill`` holds (:func:`~sacplan.opgroups.split_groups`).
 
     Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (``milp=False``
     and the greedy fill was fractional) the ms per call the knapsack's LP relaxation saves beyond the greedy
     fill returned — no save list under ``cap`` recomputes less than ``selection.recompute_ms - slack_ms``."""
-    saved = {p for g in always for p in g.members}
-    used = sum(g.bytes for g in always)
-    if used > cap:
-        raise InfeasibleBudgetError(
-            cap,
-            used,
-            "(op level: the in-place/random ops that must be saved hold more than max_saved_bytes)",
-        )
-    room = cap - used
-    cand = [g for g in free if g.bytes <= room]
-    if not cand:
-        return selection_of(ops, saved, stop, False), 0.0
     # LP relaxation of the knapsack: take groups by ms per byte; integral => optimal. A fill that uses the room
     # exactly is integral too (the next group's fraction is 0): the trade-off's greedy vertices are such fills,
     # so module_options needs no MILP for them (Mistral-7B's decoder stack: 989 of its 991 sampled ratios).
-    order = sorted(range(len(cand)), key=lambda i: (-cand[i].ms / cand[i].bytes, cand[i].bytes, i))
-    left = room
-    take: list[int] = []
-    fractional = False
-    slack = 0.0
-    for i in order:
-        g = cand[i]
-        if g.bytes <= left:
-            take.append(i)
-            left -= g.bytes
-        else:
-            fractional = left > 0
-            slack = left * g.ms / g.bytes
-            break
-    if not fractional or not milp:
-        for i in take:
-            saved.update(cand[i].members)
-        return selection_of(ops, saved, stop, False), (slack if fractional else 0.0)
-    # Exact 0/1 knapsack by MILP; the greedy fill is a feasible warm start.
+    sel, slack = fill(cap)
+    if slack <= 0 or not milp:
+        return sel, slack
+    # Exact 0/1 knapsack by MILP over the groups that fit (in op order); the greedy fill is a feasible warm start.
+    room = cap - fill.used
+    take = fill.taken(cap)  # in density order, as the fill took them
+    taken = set(take)
+    cand = [i for i, g in enumerate(fill.groups) if g.bytes <= room]
     model = MilpModel(name="sacplan_ops")
     # Scale bytes to the budget so coefficients are O(1); maximise saved ms == minimise -saved ms.
     scale = float(room)
-    cols = [model.add_col(f"x{i}", 0.0, 1.0, True, -g.ms) for i, g in enumerate(cand)]
-    model.add_row("bytes", cols, [g.bytes / scale for g in cand], ub=1.0)
-    warm = [0.0] * len(cand)
-    for i in take:
-        warm[i] = 1.0
+    cols = [model.add_col(f"x{k}", 0.0, 1.0, True, -fill.groups[i].ms) for k, i in enumerate(cand)]
+    model.add_row("bytes", cols, [fill.groups[i].bytes / scale for i in cand], ub=1.0)
+    warm = [1.0 if i in taken else 0.0 for i in cand]
     res = solve_model(model, solver, gap_rel=0.0, gap_abs=1e-9, warm_start=warm, node_limit=KNAPSACK_NODES,
                       shared=False)
     if res.status != OPTIMAL or res.x is None:  # its node limit, or the wall-clock safety net: the greedy fill
         chosen = take
         if math.isfinite(res.bound):  # the solver's bound on saved ms, when tighter than the LP's
-            slack = max(0.0, min(slack, -res.bound - sum(cand[i].ms for i in take)))
+            slack = max(0.0, min(slack, -res.bound - sum(fill.groups[i].ms for i in take)))
     else:
         slack = 0.0
-        chosen = [i for i, v in enumerate(res.x) if v > 0.5]
+        chosen = [cand[k] for k, v in enumerate(res.x) if v > 0.5]
         # Guard the byte budget exactly (the solver works in scaled floats).
-        if sum(cand[i].bytes for i in chosen) > room:
+        if sum(fill.groups[i].bytes for i in chosen) > room:
             chosen = take
-    for i in chosen:
-        saved.update(cand[i].members)
-    return selection_of(ops, saved, stop, True), slack
+    saved = {p for g in fill.always_groups for p in g.members} | {p for i in chosen for p in fill.groups[i].members}
+    return selection_of(fill.ops, saved, fill.stop, True), slack
 
 
 class GreedyFill:
-    """The greedy fill of :func:`knapsack` (``milp=False``) at many capacities over one module's split: the
-    density order and per-op arrays are built once, each capacity then costs a few vector operations (a stage
-    of 32 decoder blocks is sampled at ~1000 ratios)."""
+    """The greedy fill of one module's split (``always`` saved groups, ``free`` ones): at a byte budget, free
+    groups in turn by ms per byte while they fit — the knapsack's LP relaxation, integral when it ends on a whole
+    group. The density order and per-op arrays are built once, each capacity then costs a few vector operations
+    (a stage of 32 decoder blocks is sampled at ~1000 ratios)."""
 
     def __init__(self, ops: tuple[OpStat, ...], always: Sequence[OpGroup], free: Sequence[OpGroup], stop: int) -> None:
-        order = sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
-        self.free = [free[i] for i in order]
+        self.ops, self.stop, self.groups, self.always_groups = ops, stop, list(free), list(always)
+        #: free groups (indices into ``free``) by ms per byte, most first
+        self.order = sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
+        self.free = [free[i] for i in self.order]
         self.bytes = np.array([g.bytes for g in self.free], dtype=np.int64)
         self.ms = np.array([g.ms for g in self.free], dtype=float)
         self.used = sum(g.bytes for g in always)
@@ -161,8 +135,8 @@ class GreedyFill:
         self.flops: np.ndarray | list[int] = np.array(flops, dtype=np.int64) if sum(map(abs, flops)) < 2**62 else flops
         self.before_stop = self.index < stop
 
-    def __call__(self, cap: int) -> tuple[OpSelection, float]:
-        """``(selection, slack_ms)`` as :func:`knapsack` returns them with ``milp=False``."""
+    def _fill(self, cap: int) -> tuple[np.ndarray, float]:
+        """The free groups taken at ``cap`` (a mask over density ranks, one entry more: False) and the slack (ms)."""
         if self.used > cap:
             raise InfeasibleBudgetError(
                 cap, self.used, "(op level: the in-place/random ops that must be saved hold more than max_saved_bytes)"
@@ -178,6 +152,20 @@ class GreedyFill:
         if k < len(fits) and left > 0:
             nxt = int(fits[k])
             slack = left * float(self.ms[nxt]) / float(self.bytes[nxt])
+        return take, slack
+
+    def taken(self, cap: int) -> list[int]:
+        """The free groups (indices into ``free``) the fill at ``cap`` saves."""
+        take = self._fill(cap)[0]
+        return [self.order[k] for k in np.nonzero(take[:-1])[0].tolist()]
+
+    def __call__(self, cap: int) -> tuple[OpSelection, float]:
+        """``(selection, slack_ms)`` of the fill at ``cap`` saved bytes: ``slack_ms`` 0 when it ends on a whole
+        group (then optimal), else what the LP relaxation saves beyond it.
+
+        Raises:
+            InfeasibleBudgetError: the always-saved groups alone hold more than ``cap``."""
+        take, slack = self._fill(cap)
         saved = self.always | take[self.group]  # group -1 (not free) reads the last entry: False
         rec = ~saved & self.before_stop
         sel = OpSelection(

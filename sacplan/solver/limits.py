@@ -1,5 +1,5 @@
-"""Work and time limits, progress lines and Ctrl-C for the MILP solves (issue 14: no solve runs unbounded;
-issue 26: the same inputs give the same plan on every run, under any machine load).
+"""Work and time limits of the MILP solves (issue 14: no solve runs unbounded; issue 26: the same inputs give the
+same plan on every run, under any machine load).
 
 * :func:`work` opens the call's **deterministic** work budget: branch-and-bound nodes, counted by the solvers
   themselves (HiGHS's ``mip_node_count``, CBC's enumerated nodes, one per LP of sacplan's own branching), shared
@@ -11,9 +11,8 @@ issue 26: the same inputs give the same plan on every run, under any machine loa
   the earlier end, so a sweep's total budget bounds each point's own. It is the **safety net** only: whatever
   it cuts short is recorded (:func:`stopped`, :func:`stops`) and the plan says so loudly, since such a plan
   depends on the machine's speed and load.
-* :func:`progress_to` turns on a status line (elapsed, incumbent, bound, gap) every few seconds on a stream.
-* :func:`run_highs` runs HiGHS in its solver thread and polls it, so Ctrl-C stops the search within ~0.2 s
-  (:class:`SolveInterrupted`, a :class:`KeyboardInterrupt` carrying the best result found so far).
+
+Progress lines are :mod:`sacplan.solver.progress`; Ctrl-C is :class:`~sacplan.solver.model.SolveInterrupted`.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import contextvars
 import math
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator
 
 from sacplan.errors import ConfigError
 
@@ -33,8 +32,6 @@ DEFAULT_SOLVE_S = 60.0
 DEFAULT_SWEEP_S = 60.0
 #: Default budget (s) of ``certify`` (several solves).
 DEFAULT_CERTIFY_S = 300.0
-#: Seconds between progress lines.
-PROGRESS_EVERY_S = 3.0
 #: Shortest limit handed to a solver (s): a spent budget still lets it return its warm start.
 MIN_SLICE_S = 0.01
 #: Default deterministic work budget of one call (branch-and-bound nodes over all of its MILPs). Measured proofs
@@ -51,19 +48,8 @@ _STOPS: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.Conte
 _SPENT: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("sacplan_spent", default=None)
 
 _END: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_deadline", default=None)
-_STREAM: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("sacplan_progress", default=None)
+#: when the outermost :func:`deadline` opened (``time.monotonic``): what progress lines count elapsed from
 _T0: contextvars.ContextVar[float | None] = contextvars.ContextVar("sacplan_progress_t0", default=None)
-#: (incumbent, bound) of the search around a sub-problem being solved (ms): what progress lines combine with
-_OUTER: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("sacplan_outer", default=None)
-_LAST = [0.0]
-
-
-class SolveInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a solve; ``result`` is the solver's best result so far (a ``SolveResult``, or None)."""
-
-    def __init__(self, result: Any = None) -> None:
-        super().__init__("solve interrupted")
-        self.result = result
 
 
 def check_time_limit(value: Any, name: str = "time_limit_s") -> float | None:
@@ -195,56 +181,15 @@ def remaining(limit_s: float | None = None) -> float | None:
     return None if left is None else max(MIN_SLICE_S, left)
 
 
+def started() -> float | None:
+    """``time.monotonic()`` when the outermost :func:`deadline` opened (None outside every one)."""
+    return _T0.get()
+
+
 def expired() -> bool:
     """True once the active budget is spent."""
     end = _END.get()
     return end is not None and time.monotonic() >= end
-
-
-@contextmanager
-def progress_to(stream: TextIO | None) -> Iterator[None]:
-    """Write a status line to ``stream`` (e.g. ``sys.stderr``) every few seconds of solving (None: silent)."""
-    tok = _STREAM.set(stream)
-    try:
-        yield
-    finally:
-        _STREAM.reset(tok)
-
-
-@contextmanager
-def within(incumbent: float, bound: float) -> Iterator[None]:
-    """Progress reported inside this block is of a sub-problem of a search whose best plan costs ``incumbent``
-    and whose other open parts are bounded by ``bound`` (ms): lines show the whole search's figures."""
-    token = _OUTER.set((incumbent, bound))
-    try:
-        yield
-    finally:
-        _OUTER.reset(token)
-
-
-def report(incumbent: float, bound: float, gap: float, force: bool = False) -> None:
-    """One status line (objective and bound in ms of recompute; elapsed since the outermost :func:`deadline`)
-    when progress is on and it is time. Inside :func:`within`, the whole search's incumbent and bound."""
-    stream = _STREAM.get()
-    now = time.monotonic()
-    if stream is None or (not force and now - _LAST[0] < PROGRESS_EVERY_S):
-        return
-    outer = _OUTER.get()
-    if outer is not None:
-        incumbent, bound = min(incumbent, outer[0]), min(bound, outer[1])
-        gap = math.inf
-    _LAST[0] = now
-    t0 = _T0.get() or now
-    inc = f"{incumbent:.4f} ms" if math.isfinite(incumbent) else "none yet"
-    bnd = f"{bound:.4f} ms" if math.isfinite(bound) else "-"
-    if not math.isfinite(gap) and math.isfinite(incumbent) and math.isfinite(bound):
-        gap = max(0.0, incumbent - bound) / max(abs(incumbent), 1e-10)
-    g = f"{gap:.3%}" if math.isfinite(gap) else "-"
-    try:
-        stream.write(f"solving: {now - t0:.0f} s elapsed, best {inc}, bound {bnd}, gap {g}\n")
-        stream.flush()
-    except (OSError, ValueError):  # a closed stream: progress is optional
-        pass
 
 
 def time_limit_message(
@@ -265,37 +210,3 @@ def time_limit_message(
             "machine's speed and load, and ranks planning for themselves may get different plans (they must all "
             "use one plan file); raise time_limit_s (CLI: --time-limit) or lower work_limit so the work limit ends "
             "the search")
-
-
-def run_highs(h: Any) -> bool:
-    """Run a prepared ``highspy.Highs`` in its solver thread, reporting progress; True when Ctrl-C stopped it
-    (the caller reads the best solution and raises :class:`SolveInterrupted`)."""
-    stop = [False]
-    seen = [math.inf, -math.inf, math.inf]
-
-    def on_interrupt(e: Any) -> None:
-        d = e.data_out
-        try:
-            seen[0], seen[1], seen[2] = d.mip_primal_bound, d.mip_dual_bound, d.mip_gap
-        except AttributeError:  # pragma: no cover - older highspy
-            pass
-        if stop[0]:
-            e.interrupt()
-
-    for event in (h.cbMipInterrupt, h.cbSimplexInterrupt, h.cbIpmInterrupt):
-        event.subscribe(on_interrupt)
-    interrupted = False
-    thread = h.startSolve()
-    while True:
-        try:
-            done, _ = h.wait(0.2)
-            if done:
-                break
-            inc, bnd = seen[0], seen[1]
-            if math.isfinite(inc) and abs(inc) < 1e29:
-                report(inc, bnd if abs(bnd) < 1e29 else -math.inf, seen[2] if abs(seen[2]) < 1e29 else math.inf)
-        except KeyboardInterrupt:
-            interrupted = True
-            stop[0] = True
-    thread.join()
-    return interrupted

@@ -12,7 +12,8 @@ discard (:func:`solve`), the smallest feasible budget, a lower bound on recomput
 3. the judge (:func:`~sacplan.solver.judge.judge`): exact bytes, repair, realisation as op save lists;
 4. the :class:`~sacplan.plan.Plan`.
 
-The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters through :mod:`sacplan.solver.compat`.
+The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters the same problem through
+:mod:`sacplan.solver.compat`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, relaxed
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import per_module_peak
-from sacplan.solver.search import solve_min_peak
+from sacplan.solver.min_peak import solve_min_peak
 from sacplan.solver.strategies import Found, find
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes, parse_budget
@@ -164,7 +165,7 @@ def solve(
 
     The memory model is :mod:`sacplan.timeline` (every event's predicted bytes for a choice of checkpointed
     calls and discards); the MILP over it is :mod:`sacplan.solver.formulation` (linear in the model's size,
-    no big-M), and the search that proves its optimum is described there and in :mod:`sacplan.solver.search`.
+    no big-M), and the search that proves its optimum is described there and in :mod:`sacplan.solver.budget_milp`.
     Solutions are checked exactly in bytes and tiny tolerance violations repaired by raising ratios. With
     ``op_level`` each checkpointed module's ratio is realised by :func:`~sacplan.solver.ops.select_ops`
     (saving at most ``floor(A·(1-r))`` bytes), and the reported peak and recompute time are recomputed from

@@ -1,5 +1,5 @@
 """The solver-neutral MILP: :class:`MilpModel`, what solving it returns (:class:`SolveResult`, normalised
-status codes, :func:`relative_gap`) and copies of a model with changed bounds (:func:`with_bounds`,
+status codes, :func:`relative_gap`, Ctrl-C as :class:`SolveInterrupted`) and copies of a model with changed bounds (:func:`with_bounds`,
 :func:`relaxed`, :func:`relaxed_with_fixed`).
 
 The formulations in :mod:`sacplan.solver.formulation`, :mod:`sacplan.solver.knapsack` and
@@ -16,7 +16,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from sacplan.solver import limits
 
 #: Normalised statuses.
 OPTIMAL = "optimal"
@@ -167,6 +166,14 @@ class SolveResult:
     stopped_by: str = ""
 
 
+class SolveInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a solve; ``result`` is the solver's best result so far (or None)."""
+
+    def __init__(self, result: SolveResult | None = None) -> None:
+        super().__init__("solve interrupted")
+        self.result = result
+
+
 def relative_gap(objective: float, bound: float) -> float:
     """``|objective - bound| / max(|objective|, 1e-10)``, 0 when both are 0 (the convention of CBC/HiGHS)."""
     if not (math.isfinite(objective) and math.isfinite(bound)):
@@ -181,11 +188,11 @@ def interrupted_result(
     result: SolveResult | None, model: MilpModel, warm_start: Sequence[float] | None, solver: str
 ) -> SolveResult:
     """The best solution when Ctrl-C stopped a search (``status="interrupted"``): the solver's own, else the warm
-    start; :class:`limits.SolveInterrupted` again when there is neither."""
+    start; :class:`SolveInterrupted` again when there is neither."""
     if result is not None and result.x is not None:
         return dataclasses.replace(result, status=INTERRUPTED)
     if warm_start is None or model.max_violation(warm_start) > 1e-6:
-        raise limits.SolveInterrupted(result)
+        raise SolveInterrupted(result)
     obj = model.evaluate(warm_start)
     bound = result.bound if result is not None and math.isfinite(result.bound) else -INF
     return SolveResult(INTERRUPTED, list(warm_start), obj, min(bound, obj), relative_gap(obj, bound), 0.0, solver,

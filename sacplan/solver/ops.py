@@ -18,9 +18,10 @@ from typing import Sequence
 from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solver import limits
 from sacplan.solver.front import FRONT_CAP, front_of_groups, lower_hull_indices, thin_front
-from sacplan.opgroups import OpGroup, split_groups
+from sacplan.opgroups import OpGroup, split_groups, stop_index
 from sacplan.solver.knapsack import GreedyFill, OpSelection, knapsack, selection_of
 from sacplan.stats import OpStat
+from sacplan.tradeoff import greedy_vertices
 
 
 _CACHE: dict[tuple, OpSelection] = {}
@@ -57,7 +58,7 @@ def select_ops(
     if max_saved_bytes < 0:
         raise ConfigError(f"max_saved_bytes must be >= 0, got {max_saved_bytes}")
     ops = tuple(ops)
-    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    stop = stop_index(ops, recompute_stop)
     key = (ops, int(max_saved_bytes), bool(force_store_random), stop, str(solver).lower())
     hit = _CACHE.get(key)
     if hit is not None:
@@ -71,7 +72,7 @@ def select_ops(
 
 def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver: str, stop: int) -> OpSelection:
     always, free, _ = split_groups(ops, force_store_random, stop)
-    return knapsack(ops, always, free, cap, solver, stop)[0]
+    return knapsack(GreedyFill(ops, always, free, stop), cap, solver)[0]
 
 
 def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
@@ -144,60 +145,29 @@ def module_options(
     ops = tuple(ops)
     A = int(max_discard_bytes)
     R = float(full_recompute_ms)
-    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
+    stop = stop_index(ops, recompute_stop)
     complete = True
-    sels: list[OpSelection] = []
     slacks: dict[OpSelection, float] = {}
     saved_groups, free, _ = split_groups(ops, False, stop)
     # The plain full checkpoint saves only what is forced (in-place writes to outside tensors) and recomputes
     # every other op before the stop, free ones included (as apply_plan does): its cost may exceed R.
     forced = {p for g in saved_groups if g.fixed == 1 for p in g.members}
     q_full = selection_of(ops, forced, stop, False).recompute_ms / R if R > 0 else 1.0
-    pts: list[tuple[float, float, OpSelection | None]] = [(1.0, max(1.0, q_full), None)]
+    pts: list[tuple[float, float, OpSelection | _Pending | None]] = [(1.0, max(1.0, q_full), None)]
     if A > 0 and R > 0:
         if len(free) <= DP_MAX_GROUPS or not ratios:
-            # Every front point is priced from the DP's own sums and only the points that survive the pruning
-            # below are realised as selections (a Llama-family root's front has ~5,000 points, 16 are kept).
-            front, complete = front_of_groups(free, FRONT_CAP)
-            always = {p for g in saved_groups for p in g.members}
-            always_bytes = sum(max(0, int(ops[p].save_cost_bytes)) for p in always)
-            # recompute ms priced exactly as a realised selection is (math.fsum of the recomputed ops): fsum is
-            # exact over its inputs, so the exact partials of every op's ms less the saved groups' ms give it
-            base = _partials([op.runtime_ms for p, op in enumerate(ops) if p not in always and op.index < stop])
-            terms = [[-ops[p].runtime_ms for p in g.members if ops[p].index < stop] for g in free]
-            for b, _, mask in front:
-                d = A - (always_bytes + b)
-                if d < 0:
-                    continue
-                xs, rest = list(base), mask
-                while rest:
-                    low = rest & -rest
-                    xs.extend(terms[low.bit_length() - 1])
-                    rest ^= low
-                pts.append((min(1.0, d / A), min(1.0, math.fsum(xs) / R), _Pending(mask, bool(always) or mask != 0)))
+            front, complete = _front_points(ops, saved_groups, free, stop, A, R)
+            pts += front
         else:  # a large module (a stage of many blocks): exact knapsacks at the sampled ratios only
             complete = False
-            fill = GreedyFill(ops, saved_groups, free, stop)
-            for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
-                cap = max(0, min(A, int(round(A * (1.0 - r)))))
-                try:
-                    sel, sl = fill(cap)
-                    # fractional: the exact knapsack (past the wall-clock safety net the fill, within sl)
-                    if sl > 0 and not limits.past_deadline("op-level options"):
-                        sel, sl = knapsack(ops, saved_groups, free, cap, solver, stop)
-                except InfeasibleBudgetError:
-                    continue
-                sels.append(sel)
-                slacks[sel] = max(slacks.get(sel, 0.0), sl)
-    for sel in sels:
-        d = A - sel.saved_bytes
-        if d >= 0:
-            pts.append((min(1.0, d / A), min(1.0, sel.recompute_ms / R), sel))
+            slacks = _sampled(GreedyFill(ops, saved_groups, free, stop), ratios, A, solver)
+            pts += [(min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R), sel)
+                    for sel in slacks if A - sel.saved_bytes >= 0]
     # Pareto front: by ratio descending, keep strictly cheaper options. On a tie a save list beats the plain full
     # checkpoint: it names the free ops (the module's output op) that a full checkpoint would recompute; an
     # empty save list is the full checkpoint itself.
     pts.sort(key=lambda p: (-p[0], p[1], 1 if p[2] is None else (0 if p[2].saved else 2)))
-    kept: list[tuple[float, float, OpSelection | None]] = []
+    kept: list[tuple[float, float, OpSelection | _Pending | None]] = []
     for p in pts:
         if not kept or p[1] < kept[-1][1] - 1e-12:
             if kept and abs(p[0] - kept[-1][0]) <= 1e-15:
@@ -217,6 +187,52 @@ def module_options(
         complete=complete,
         slack_frac=min(1.0, slack / R) if R > 0 else 0.0,
     )
+
+
+def _front_points(
+    ops: tuple[OpStat, ...], saved_groups: Sequence[OpGroup], free: Sequence[OpGroup], stop: int, A: int, R: float,
+) -> tuple[list[tuple[float, float, "_Pending"]], bool]:
+    """The Pareto front of the free groups' save lists as ``(ratio, frac, pending selection)`` points, and whether
+    it is the whole front. Every point is priced from the DP's own sums and only the points that survive
+    :func:`module_options`' pruning are realised as selections (a Llama-family root's front has ~5,000 points, 16
+    are kept)."""
+    front, complete = front_of_groups(free, FRONT_CAP)
+    always = {p for g in saved_groups for p in g.members}
+    always_bytes = sum(max(0, int(ops[p].save_cost_bytes)) for p in always)
+    # recompute ms priced exactly as a realised selection is (math.fsum of the recomputed ops): fsum is exact
+    # over its inputs, so the exact partials of every op's ms less the saved groups' ms give it
+    base = _partials([op.runtime_ms for p, op in enumerate(ops) if p not in always and op.index < stop])
+    terms = [[-ops[p].runtime_ms for p in g.members if ops[p].index < stop] for g in free]
+    pts = []
+    for b, _, mask in front:
+        d = A - (always_bytes + b)
+        if d < 0:
+            continue
+        xs, rest = list(base), mask
+        while rest:
+            low = rest & -rest
+            xs.extend(terms[low.bit_length() - 1])
+            rest ^= low
+        pts.append((min(1.0, d / A), min(1.0, math.fsum(xs) / R), _Pending(mask, bool(always) or mask != 0)))
+    return pts, complete
+
+
+def _sampled(fill: GreedyFill, ratios: Sequence[float], A: int, solver: str) -> dict[OpSelection, float]:
+    """The exact knapsacks at the sampled discard ``ratios`` (past the wall-clock safety net the greedy fill),
+    each with its slack (ms per call an exact knapsack might save beyond it; 0 when exact), in ratio order."""
+    slacks: dict[OpSelection, float] = {}
+    for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
+        cap = max(0, min(A, int(round(A * (1.0 - r)))))
+        try:
+            sel, sl = fill(cap)
+            # fractional: the exact knapsack (past the wall-clock safety net the fill, within sl)
+            if sl > 0 and not limits.past_deadline("op-level options"):
+                sel, sl = knapsack(fill, cap, solver)
+        except InfeasibleBudgetError:
+            continue
+        slacks[sel] = max(slacks.get(sel, 0.0), sl)
+    return slacks
+
 
 def _partials(xs: Sequence[float]) -> list[float]:
     """Non-overlapping floats whose exact sum is the exact sum of ``xs`` (Shewchuk's partials, as ``math.fsum``
@@ -276,26 +292,17 @@ def fractional_lines(
     """Lines ``q ≥ slope·r + intercept`` whose max lies below *every* achievable option of one module.
 
     The LP relaxation of :func:`select_ops`'s knapsack (save groups fractionally, most ms per byte first) gives,
-    for each discard, a recompute time no integer selection beats; its vertices (plus the full checkpoint
+    for each discard, a recompute time no integer selection beats; its vertices (the trade-off's greedy vertices,
+    :func:`~sacplan.tradeoff.greedy_vertices`, plus the full checkpoint
     ``(1, 1)``) are convexified into their lower hull. Units as :class:`ModuleOptions` (``r = d/A``,
     ``q = ms/R``). Used by :func:`sacplan.solver.recompute_lower_bound`.
     """
     A = float(max_discard_bytes)
     R = float(full_recompute_ms)
     ops = tuple(ops)
-    stop = (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
-    always, free, never = split_groups(ops, False, stop)
-    forced = sum(g.bytes for g in always)
-    base_ms = sum(g.ms for g in never)  # always recomputed (views, or nothing to gain by saving)
-    # start: every free group saved; then give them up least valuable (ms per byte) first
-    free.sort(key=lambda g: (g.ms / g.bytes, g.bytes))
-    saved = forced + sum(g.bytes for g in free)
-    ms = base_ms
-    pts = [((A - saved) / A, ms / R)]
-    for g in free:
-        saved -= g.bytes
-        ms += g.ms
-        pts.append(((A - saved) / A, ms / R))
+    # the fill from every free group saved down to none, least ms per byte given up first
+    vertices, _ = greedy_vertices(ops, int(max_discard_bytes), stop_index(ops, recompute_stop))
+    pts = [(d / A, ms / R) for d, ms, _ in vertices]
     pts.append((1.0, 1.0))
     pts = sorted(set(pts))
     hull = [pts[i] for i in sorted(lower_hull_indices(pts))]

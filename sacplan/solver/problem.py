@@ -5,7 +5,7 @@
 with per-rank state scaling, and (exact mode) each candidate's op-level options. A decision — checkpoint
 flags ``y`` and discard ratios ``r`` per candidate slot — is evaluated exactly in bytes
 (:meth:`SacProblem.peaks`) and in model recompute ms (:meth:`SacProblem.cost`). Budget-independent: the
-MILP (:mod:`sacplan.solver.formulation`) and the incumbent search (:mod:`sacplan.solver.search`) read it.
+MILP (:mod:`sacplan.solver.formulation`) and the strategies (:mod:`sacplan.solver.strategies`) read it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from sacplan.devices import checkpoint_state_bytes
 from sacplan.solver.backends import lp_solver
-from sacplan.solver.candidates import relaxed_candidate, select_candidates
+from sacplan.solver.candidates import Candidate, relaxed_candidate, select_candidates
 from sacplan.solver.ops import ModuleOptions, module_options
 from sacplan.timeline import BW, RC, Timeline
 from sacplan.tradeoff import recompute_surge
@@ -66,6 +66,19 @@ class SacProblem:
             self.candidates = [relaxed_candidate(tree, c) for c in self.candidates]
         self._orders()
         self._events()
+
+    @classmethod
+    def of_timeline(cls, timeline: Timeline, candidates: Sequence[Candidate]) -> "SacProblem":
+        """The problem of a memory timeline and candidates built elsewhere (PyTorch's Graph, see
+        :mod:`sacplan.solver.compat`): trade-off lines only, and no tree (``tree`` is None)."""
+        self = cls.__new__(cls)
+        self.tree, self.exact, self.max_options, self._solver = None, False, None, "auto"  # type: ignore[assignment]
+        self._options, self._surge = {}, {}
+        self.timeline, self.world_size, self.ck_overhead = timeline, timeline.world_size, 0.0
+        self.candidates, self.notes = list(candidates), []
+        self._orders()
+        self._events()
+        return self
 
     # -- setup ----------------------------------------------------------------------------------------
     def _orders(self) -> None:

@@ -16,6 +16,8 @@ from sacplan.errors import InfeasibleBudgetError
 from sacplan.opgroups import forced_saves
 from sacplan.plan import ModuleDecision
 from sacplan.solver.backends import lp_solver
+from sacplan.solver.candidates import Candidate
+from sacplan.solver.knapsack import OpSelection
 from sacplan.solver.ops import max_saved_bytes_for, select_ops
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
@@ -43,74 +45,71 @@ def realise(
     fit, the module falls back to a full checkpoint (discards everything; costs the full recompute).
     """
     decisions = []
-    op_level, solver = opts.op_level, opts.backend
     r_real = r.copy()
     for c in problem.candidates:
-        s = c.slot
-        if y[s] < 0.5:
-            continue
-        st = problem.tree.nodes[c.node].stats
-        t = st.tradeoff
-        assert t is not None
-        A = c.max_discard_bytes
-        ratio = float(min(1.0, max(0.0, r[s])))
-        sel = None
-        opts = problem.options(s)
-        if opts is not None and op_level:
-            sel = opts.selection[opts.level_for(ratio)]
-            if sel is None:
-                ratio = 1.0
-        elif op_level and st.ops:  # at ratio 1: save the free ops (what the trade-off's full discard costs)
-            try:
-                sel = select_ops(
-                    st.ops,
-                    max_saved_bytes_for(ratio, A),
-                    solver=lp_solver(solver),
-                    recompute_stop=st.recompute_stop or None,
-                )
-            except InfeasibleBudgetError:
-                ratio = 1.0
-        if sel is None and ratio >= 1.0 - 1e-12:
-            r_real[s] = 1.0
-            decisions.append(
-                ModuleDecision(
-                    fqn=c.fqn,
-                    discard_ratio=1.0,
-                    discard_bytes=A,
-                    recompute_ms=c.calls * c.recompute_ms,
-                    recompute_flops=c.calls * int(t.full_recompute_flops),
-                    saved_ops=forced_saves(st.ops, st.recompute_stop),
-                    calls=c.calls,
-                )
-            )
-        elif sel is not None:
-            discard = A - sel.saved_bytes  # >= A·ratio by the byte budget of the selection
-            r_real[s] = discard / A
-            by_index = {op.index: op for op in st.ops}
-            decisions.append(
-                ModuleDecision(
-                    fqn=c.fqn,
-                    discard_ratio=discard / A,
-                    discard_bytes=discard,
-                    recompute_ms=c.calls * sel.recompute_ms,
-                    recompute_flops=c.calls * sel.recompute_flops,
-                    saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
-                    calls=c.calls,
-                )
-            )
-        else:  # ratio-only decision: whole bytes, rounded up
-            discard = int(math.ceil(ratio * A))
-            r_real[s] = max(ratio, min(1.0, discard / A))
-            decisions.append(
-                ModuleDecision(
-                    fqn=c.fqn,
-                    discard_ratio=float(r_real[s]),
-                    discard_bytes=discard,
-                    recompute_ms=c.cost(float(r_real[s])),
-                    recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real[s])))),
-                    saved_ops=forced_saves(st.ops, st.recompute_stop),
-                    calls=c.calls,
-                )
-            )
+        if y[c.slot] >= 0.5:
+            decisions.append(_decision(problem, c, float(min(1.0, max(0.0, r[c.slot]))), opts))
+            r_real[c.slot] = decisions[-1].discard_ratio
     return decisions, y, r_real
 
+
+def _selection(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptions) -> tuple[OpSelection | None, float]:
+    """The save list realising ``ratio`` for candidate ``c`` (None: none, a full checkpoint at ratio 1 or a
+    ratio-only decision) and the ratio, raised to 1 where a full checkpoint replaces the save list."""
+    if not opts.op_level:
+        return None, ratio
+    st = problem.tree.nodes[c.node].stats
+    options = problem.options(c.slot)
+    if options is not None:
+        sel = options.selection[options.level_for(ratio)]
+        return sel, (1.0 if sel is None else ratio)
+    if not st.ops:
+        return None, ratio
+    try:  # at ratio 1: save the free ops (what the trade-off's full discard costs)
+        return select_ops(st.ops, max_saved_bytes_for(ratio, c.max_discard_bytes), solver=lp_solver(opts.backend),
+                          recompute_stop=st.recompute_stop or None), ratio
+    except InfeasibleBudgetError:
+        return None, 1.0
+
+
+def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptions) -> ModuleDecision:
+    """Candidate ``c`` checkpointed at discard ``ratio``: a full checkpoint, its save list, or ratio-only."""
+    st = problem.tree.nodes[c.node].stats
+    t = st.tradeoff
+    assert t is not None
+    A = c.max_discard_bytes
+    sel, ratio = _selection(problem, c, ratio, opts)
+    if sel is None and ratio >= 1.0 - 1e-12:
+        return ModuleDecision(
+            fqn=c.fqn,
+            discard_ratio=1.0,
+            discard_bytes=A,
+            recompute_ms=c.calls * c.recompute_ms,
+            recompute_flops=c.calls * int(t.full_recompute_flops),
+            saved_ops=forced_saves(st.ops, st.recompute_stop),
+            calls=c.calls,
+        )
+    if sel is not None:
+        discard = A - sel.saved_bytes  # >= A·ratio by the byte budget of the selection
+        by_index = {op.index: op for op in st.ops}
+        return ModuleDecision(
+            fqn=c.fqn,
+            discard_ratio=discard / A,
+            discard_bytes=discard,
+            recompute_ms=c.calls * sel.recompute_ms,
+            recompute_flops=c.calls * sel.recompute_flops,
+            saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
+            calls=c.calls,
+        )
+    # ratio-only decision: whole bytes, rounded up
+    discard = int(math.ceil(ratio * A))
+    r_real = max(ratio, min(1.0, discard / A))
+    return ModuleDecision(
+        fqn=c.fqn,
+        discard_ratio=float(r_real),
+        discard_bytes=discard,
+        recompute_ms=c.cost(float(r_real)),
+        recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real)))),
+        saved_ops=forced_saves(st.ops, st.recompute_stop),
+        calls=c.calls,
+    )

@@ -7,7 +7,7 @@
    skips it);
 3. the budget MILP (:func:`~sacplan.solver.budget_milp.solve_budget_milp`): heuristic incumbent, LP proof or
    branch-and-bound, no-good cuts;
-4. the min-peak plan (:func:`~sacplan.solver.search.solve_min_peak`): when the MILP declares a budget at the
+4. the min-peak plan (:func:`~sacplan.solver.min_peak.solve_min_peak`): when the MILP declares a budget at the
    feasibility edge infeasible within its tolerance, or none fits (:class:`InfeasibleBudgetError`).
 
 :func:`find` is the one entry; its :class:`Found` is what the judge (:mod:`sacplan.solver.judge`) checks in bytes,
@@ -31,7 +31,7 @@ from sacplan.solver.formulation import MilpIndex, build_budget_model, columns_fo
 from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, relative_gap
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.search import solve_min_peak
+from sacplan.solver.min_peak import solve_min_peak
 from sacplan.solver.tree_dp import TreeDpResult, solve_tree_dp
 
 

@@ -151,6 +151,130 @@ def _flatten(root: Spec) -> list[_Node]:
     return out
 
 
+class _Step:
+    """The simulated no-checkpointing step over a flattened tree (see the module docstring): the forward
+    (:meth:`fw`), the backward in reverse (:meth:`bw`), and what ``collect`` would record of it."""
+
+    def __init__(self, nodes: list[_Node], optimizer_factor: float, input_bytes: int) -> None:
+        n = len(nodes)
+        self.nodes = nodes
+        self.params_total = sum(nd.spec.params for nd in nodes)
+        self.opt = int(optimizer_factor * self.params_total)
+        self.live = {"act": input_bytes, "grad": 0}
+        self.orders: dict[str, list[str]] = {"fw_pre": [], "fw_post": [], "bw_pre": [], "bw_post": []}
+        self.events: list[MemoryEvent] = []
+        self.calls = [0] * n
+        self.act_calls: list[list[int]] = [[] for _ in range(n)]
+        self.trans_calls: list[list[int]] = [[] for _ in range(n)]
+        self.snaps: list[list[dict[str, MemSnapshot]]] = [[] for _ in range(n)]
+        self.fw_ms_calls: list[list[float]] = [[] for _ in range(n)]
+        self.trace: list[tuple[int, int, int, int]] = []  # per call, in forward post-order: (node, call, chunk 1, chunk 2)
+        self.fw_counter = 0
+        self.bw_counter = 0
+
+    def snap(self, tmp: int = 0) -> MemSnapshot:
+        return MemSnapshot(param=self.params_total, grad=self.live["grad"], optimizer=self.opt, activation=self.live["act"], temp=tmp)
+
+    def state(self) -> int:
+        return self.params_total + self.live["grad"] + self.opt
+
+    def own_act(self, i: int, c: int) -> int:
+        sp = self.nodes[i].spec
+        if sp.act_calls is not None:
+            return int(sp.act_calls[c % len(sp.act_calls)])
+        return int(sp.act)
+
+    def _fw_event(self, i: int, c: int, chunk: int) -> None:
+        peak = self.live["act"] + chunk + self.nodes[i].spec.tmp
+        self.events.append(MemoryEvent(Phase.FW, self.nodes[i].fqn, c, self.fw_counter, 0, peak + self.state(), self.state()))
+        self.live["act"] += chunk
+
+    def fw(self, i: int) -> tuple[int, float]:
+        """Run module i's forward; returns (max transient above the post-fw level, ms)."""
+        nd, live = self.nodes[i], self.live
+        sp, c = nd.spec, self.calls[i]
+        self.calls[i] += 1
+        self.orders["fw_pre"].append(nd.fqn)
+        pre, start_act = self.snap(), live["act"]
+        a = self.own_act(i, c)
+        ch1, ch2 = a // 2, a - a // 2
+        self._fw_event(i, c, ch1)
+        max_trans, ms = sp.tmp, sp.fw_ms
+        for ch in nd.children:
+            for _ in range(self.nodes[ch].spec.repeat):
+                t, m = self.fw(ch)
+                max_trans = max(max_trans, t)
+                ms += m
+        self._fw_event(i, c, ch2)
+        self.orders["fw_post"].append(nd.fqn)
+        self.fw_counter += 1
+        self.act_calls[i].append(live["act"] - start_act)
+        live["act"] += sp.out
+        self.trans_calls[i].append(max_trans)
+        self.fw_ms_calls[i].append(ms)
+        self.snaps[i].append({"pre_fw": pre, "peak_fw": self.snap(sp.tmp), "post_fw": self.snap()})
+        self.trace.append((i, c, ch1, ch2))
+        return max_trans, ms
+
+    def call_roots(self) -> list[tuple[int, int, int, int, list]]:
+        """The call tree rebuilt from the forward's post-order trace (a parent's record follows its children's):
+        top-level calls, each ``(node, call, chunk 1, chunk 2, children in forward order)``."""
+        stack: list[tuple[int, int, int, int, list]] = []
+        for rec in self.trace:
+            kids = []
+            while stack and self.nodes[stack[-1][0]].parent == rec[0]:
+                kids.append(stack.pop())
+            stack.append((*rec, list(reversed(kids))))
+        return stack
+
+    def bw(self, item: tuple[int, int, int, int, list]) -> None:
+        """Module call ``item``'s backward: its rc event, chunk 2 freed, its children's backwards, its bw event."""
+        i, c, ch1, ch2, kids = item
+        nd, live = self.nodes[i], self.live
+        sp = nd.spec
+        self.orders["bw_pre"].append(nd.fqn)
+        self.bw_counter += 1
+        pre, half = self.snap(), sp.params // 2
+        self.events.append(MemoryEvent(Phase.RC, nd.fqn, c, self.fw_counter, self.bw_counter,
+                                       live["act"] + sp.tmp + half + self.state(), self.state() + half, self.trans_calls[i][c]))
+        live["act"] -= ch2 + sp.out
+        live["grad"] += half
+        peak_bw = self.snap(sp.tmp)
+        for kid in reversed(kids):
+            self.bw(kid)
+        rest = sp.params - half
+        self.events.append(MemoryEvent(Phase.BW, nd.fqn, c, self.fw_counter, self.bw_counter,
+                                       live["act"] + sp.tmp + rest + self.state(), self.state() + rest))
+        live["act"] -= ch1
+        live["grad"] += rest
+        self.orders["bw_post"].append(nd.fqn)
+        self.snaps[i][c].update({"pre_bw": pre, "peak_bw": peak_bw, "post_bw": self.snap()})
+
+    def module_stats(self, i: int, optimizer_factor: float) -> ModuleStats:
+        """What ``collect`` records of node ``i``."""
+        nd, acts, ms = self.nodes[i], self.act_calls[i], self.fw_ms_calls[i]
+        sp = nd.spec
+        A, R = (acts[0] if acts else 0), (ms[0] if ms else 0.0)
+        sub_params = sum(self.nodes[j].spec.params for j in _subtree(self.nodes, i))
+        tr: TradeOff | None = None
+        if not sp.no_tradeoff and A > 0 and R > 0:
+            if sp.lines is not None:
+                tr = lines_tradeoff(sp.lines, A, R)
+            elif sp.ops:
+                tr = greedy_tradeoff(sp.ops, A, R, int(sum(o.flops for o in sp.ops)))
+            else:
+                tr = lines_tradeoff(((0.6, 0.05), (1.4, -0.35)), A, R)
+        return ModuleStats(
+            fqn=nd.fqn, module_type=sp.module_type, parent=None if nd.parent is None else self.nodes[nd.parent].fqn,
+            depth=nd.depth, is_leaf=not nd.children, calls=self.calls[i], param_bytes=sub_params, buffer_bytes=0,
+            grad_bytes=sub_params, optimizer_bytes=int(optimizer_factor * sub_params), input_bytes=0, output_bytes=0,
+            act_bytes=tuple(acts), act_grad_bytes=tuple(sp.tmp for _ in acts), fw_transient_bytes=tuple(self.trans_calls[i]),
+            fw_ms=tuple(ms), bw_ms=tuple(2 * m for m in ms), fw_flops=tuple(0 for _ in acts), bw_flops=tuple(0 for _ in acts),
+            snapshots=tuple(self.snaps[i]), ops=tuple(sp.ops),
+            recompute_stop=sp.recompute_stop if sp.recompute_stop is not None else len(sp.ops), tradeoff=tr,
+        )
+
+
 def build_stats(
     root: Spec,
     *,
@@ -163,192 +287,30 @@ def build_stats(
 ) -> ModelStats:
     """Simulate one no-checkpointing step over ``root`` (see the module docstring)."""
     nodes = _flatten(root)
-    n = len(nodes)
-    params_total = sum(nd.spec.params for nd in nodes)
-    opt = int(optimizer_factor * params_total)
-    live = {"act": input_bytes, "grad": 0, "tmp": 0}
-    fw_pre: list[str] = []
-    fw_post: list[str] = []
-    bw_pre: list[str] = []
-    bw_post: list[str] = []
-    events: list[MemoryEvent] = []
-    calls = [0] * n
-    act_calls: list[list[int]] = [[] for _ in range(n)]
-    trans_calls: list[list[int]] = [[] for _ in range(n)]
-    snaps: list[list[dict[str, MemSnapshot]]] = [[] for _ in range(n)]
-    fw_ms_calls: list[list[float]] = [[] for _ in range(n)]
-    # per call record for the backward: (node, call index, chunk1, chunk2, pre_fw, post_fw snapshots)
-    trace: list[tuple[int, int, int, int]] = []
-    fw_counter = 0
-
-    def snap(tmp: int = 0) -> MemSnapshot:
-        return MemSnapshot(
-            param=params_total, grad=live["grad"], optimizer=opt, activation=live["act"], temp=tmp
-        )
-
-    def state() -> int:
-        return params_total + live["grad"] + opt
-
-    def own_act(i: int, c: int) -> int:
-        sp = nodes[i].spec
-        if sp.act_calls is not None:
-            return int(sp.act_calls[c % len(sp.act_calls)])
-        return int(sp.act)
-
-    def fw(i: int) -> tuple[int, float]:
-        """Run module i's forward; returns (max transient above the post-fw level, ms)."""
-        nonlocal fw_counter
-        sp = nodes[i].spec
-        c = calls[i]
-        calls[i] += 1
-        fw_pre.append(nodes[i].fqn)
-        pre = snap()
-        start_act = live["act"]
-        a = own_act(i, c)
-        ch1, ch2 = a // 2, a - a // 2
-        # chunk 1
-        peak = live["act"] + ch1 + sp.tmp
-        events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, fw_counter, 0, peak + state(), state()))
-        live["act"] += ch1
-        max_trans = sp.tmp
-        ms = sp.fw_ms
-        for ch in nodes[i].children:
-            for _ in range(nodes[ch].spec.repeat):
-                t, m = fw(ch)
-                max_trans = max(max_trans, t)
-                ms += m
-        peak2 = live["act"] + ch2 + sp.tmp
-        events.append(MemoryEvent(Phase.FW, nodes[i].fqn, c, fw_counter, 0, peak2 + state(), state()))
-        live["act"] += ch2
-        fw_post.append(nodes[i].fqn)
-        fw_counter += 1
-        act_calls[i].append(live["act"] - start_act)
-        live["act"] += sp.out
-        trans_calls[i].append(max_trans)
-        fw_ms_calls[i].append(ms)
-        snaps[i].append({"pre_fw": pre, "peak_fw": snap(sp.tmp), "post_fw": snap()})
-        trace.append((i, c, ch1, ch2))
-        return max_trans, ms
-
+    step = _Step(nodes, optimizer_factor, input_bytes)
     for _ in range(root.repeat):
-        fw(0)
+        step.fw(0)
     # loss: forward is complete, all activations still live
-    events.append(MemoryEvent(Phase.FW, "", 0, fw_counter, 0, live["act"] + loss_tmp + state(), state()))
-
+    step.events.append(MemoryEvent(Phase.FW, "", 0, step.fw_counter, 0, step.live["act"] + loss_tmp + step.state(), step.state()))
     # backward: module calls in reverse order of their forward end, parents before their children
-    bw_counter = 0
-
-    # rebuild the call tree from the trace (post-order) to walk it in reverse pre-order
-    # trace is in fw post-order; a parent's record follows all its children's records
-    stack: list[tuple[int, int, int, int, list]] = []
-    roots: list[tuple[int, int, int, int, list]] = []
-    for rec in trace:
-        i = rec[0]
-        kids = []
-        while stack and nodes[stack[-1][0]].parent == i:
-            kids.append(stack.pop())
-        item = (*rec, list(reversed(kids)))
-        stack.append(item)
-    roots = stack
-
-    def bw(item: tuple[int, int, int, int, list]) -> None:
-        nonlocal bw_counter
-        i, c, ch1, ch2, kids = item
-        sp = nodes[i].spec
-        bw_pre.append(nodes[i].fqn)
-        bw_counter += 1
-        pre = snap()
-        half = sp.params // 2
-        extra = trans_calls[i][c]
-        events.append(
-            MemoryEvent(Phase.RC, nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + half + state(), state() + half, extra)
-        )
-        live["act"] -= ch2 + sp.out
-        live["grad"] += half
-        peak_bw = snap(sp.tmp)
-        for kid in reversed(kids):
-            bw(kid)
-        events.append(
-            MemoryEvent(Phase.BW, nodes[i].fqn, c, fw_counter, bw_counter, live["act"] + sp.tmp + (sp.params - half) + state(), state() + sp.params - half)
-        )
-        live["act"] -= ch1
-        live["grad"] += sp.params - half
-        bw_post.append(nodes[i].fqn)
-        snaps[i][c].update({"pre_bw": pre, "peak_bw": peak_bw, "post_bw": snap()})
-
-    for item in reversed(roots):
-        bw(item)
-    opt_tmp = opt // 4
-    events.append(MemoryEvent(Phase.OTHER, "", 0, fw_counter, bw_counter, state() + live["act"] + opt_tmp, state()))
-
-    modules = []
-    for i, nd in enumerate(nodes):
-        sp = nd.spec
-        A = act_calls[i][0] if act_calls[i] else 0
-        R = fw_ms_calls[i][0] if fw_ms_calls[i] else 0.0
-        sub_params = sum(nodes[j].spec.params for j in _subtree(nodes, i))
-        tr: TradeOff | None = None
-        if not sp.no_tradeoff and A > 0 and R > 0:
-            if sp.lines is not None:
-                tr = lines_tradeoff(sp.lines, A, R)
-            elif sp.ops:
-                tr = greedy_tradeoff(sp.ops, A, R, int(sum(o.flops for o in sp.ops)))
-            else:
-                tr = lines_tradeoff(((0.6, 0.05), (1.4, -0.35)), A, R)
-        modules.append(
-            ModuleStats(
-                fqn=nd.fqn,
-                module_type=sp.module_type,
-                parent=None if nd.parent is None else nodes[nd.parent].fqn,
-                depth=nd.depth,
-                is_leaf=not nd.children,
-                calls=calls[i],
-                param_bytes=sub_params,
-                buffer_bytes=0,
-                grad_bytes=sub_params,
-                optimizer_bytes=int(optimizer_factor * sub_params),
-                input_bytes=0,
-                output_bytes=0,
-                act_bytes=tuple(act_calls[i]),
-                act_grad_bytes=tuple(sp.tmp for _ in act_calls[i]),
-                fw_transient_bytes=tuple(trans_calls[i]),
-                fw_ms=tuple(fw_ms_calls[i]),
-                bw_ms=tuple(2 * m for m in fw_ms_calls[i]),
-                fw_flops=tuple(0 for _ in act_calls[i]),
-                bw_flops=tuple(0 for _ in act_calls[i]),
-                snapshots=tuple(snaps[i]),
-                ops=tuple(sp.ops),
-                recompute_stop=sp.recompute_stop if sp.recompute_stop is not None else len(sp.ops),
-                tradeoff=tr,
-            )
-        )
+    for item in reversed(step.call_roots()):
+        step.bw(item)
+    opt, state = step.opt, step.state()
+    events = step.events
+    events.append(MemoryEvent(Phase.OTHER, "", 0, step.fw_counter, step.bw_counter, state + step.live["act"] + opt // 4, state))
+    modules = [step.module_stats(i, optimizer_factor) for i in range(len(nodes))]
     peak_ev = max(events, key=lambda e: e.peak_bytes)
-    fw_total = sum(fw_ms_calls[0])
+    fw_total = sum(step.fw_ms_calls[0])
     h = hashlib.sha256(repr([(m.fqn, m.param_bytes) for m in modules]).encode()).hexdigest()[:16]
+    params_total, o = step.params_total, step.orders
     return ModelStats(
-        device=device,
-        model_name=model_name,
-        dtype="torch.bfloat16",
-        world_size=world_size,
-        modules=tuple(modules),
-        fw_pre_order=tuple(fw_pre),
-        fw_post_order=tuple(fw_post),
-        bw_pre_order=tuple(bw_pre),
-        bw_post_order=tuple(bw_post),
-        events=tuple(events),
-        peak_bytes=peak_ev.peak_bytes,
-        peak_phase=peak_ev.phase,
+        device=device, model_name=model_name, dtype="torch.bfloat16", world_size=world_size, modules=tuple(modules),
+        fw_pre_order=tuple(o["fw_pre"]), fw_post_order=tuple(o["fw_post"]), bw_pre_order=tuple(o["bw_pre"]),
+        bw_post_order=tuple(o["bw_post"]), events=tuple(events), peak_bytes=peak_ev.peak_bytes, peak_phase=peak_ev.phase,
         peak_module=peak_ev.module,
         peak_snapshot=MemSnapshot(param=params_total, grad=0, optimizer=opt, activation=peak_ev.peak_bytes - peak_ev.state_bytes),
-        param_bytes=params_total,
-        grad_bytes=params_total,
-        optimizer_bytes=opt,
-        fw_ms=fw_total,
-        bw_ms=2 * fw_total,
-        optimizer_ms=0.1,
-        fw_flops=0,
-        bw_flops=0,
-        fingerprint=h,
+        param_bytes=params_total, grad_bytes=params_total, optimizer_bytes=opt, fw_ms=fw_total, bw_ms=2 * fw_total,
+        optimizer_ms=0.1, fw_flops=0, bw_flops=0, fingerprint=h,
     )
 
 

@@ -1,5 +1,6 @@
-"""validate(compile=...) and ``sacplan validate --compile``: compiled (Inductor, CPU) steps against the eager
-prediction. The compiled runs take a minute or more on 2 cores (Inductor compiles each graph with a C++
+"""validate(compile=...) and ``sacplan validate --compile``: compiled (Inductor, CPU) steps against the
+prediction for the compiled step (tests/apply/test_compiled_prediction.py checks its rules on tiny models, by
+default). The compiled runs here take a minute or more on 2 cores (Inductor compiles each graph with a C++
 compiler), so they run under ``-m slow``; the argument handling runs by default."""
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _blocks(n: int = 4, d: int = 128) -> nn.Module:
 
 @pytest.mark.slow  # ~1-3 min: Inductor compiles the blocks' forward and backward, with and without the plan
 def test_compiled_steps_stay_under_the_prediction():
+    """4 LayerNorm-Linear-GELU-Linear blocks (nn.Sequential: compiled through compile_model's own frame), a
+    solved plan that saves layer norms."""
     torch.manual_seed(0)
     x = torch.randn(512, 128)
     stats = sacplan.collect(_blocks, (x,), device="cpu")
@@ -66,12 +69,13 @@ def test_compiled_steps_stay_under_the_prediction():
     eager = sacplan.validate(_blocks, (x,), plan, timed_steps=0)
     r = sacplan.validate(_blocks, (x,), plan, compile=True, timed_steps=0)
     assert "4 repeated blocks compiled one by one (inductor)" in r.summary()
-    assert r.predicted_peak_bytes == eager.predicted_peak_bytes  # the prediction is the eager step's
-    # Without a plan the compiled step peaks at most at the prediction (fusion removes temporaries, the
-    # partitioner may recompute); here exactly there. With the plan within 3% (measured: 1.70% above, 2026-11-25:
-    # not "at most", see benchmarks/RESULTS.md)
-    assert r.baseline.peak_bytes <= r.predicted_baseline_peak_bytes, r.summary()
-    assert abs(r.peak_error) <= 0.03, r.summary()
+    # the plan saves layer norms: under compile each also keeps its normalized input (sacplan.compiled_saves)
+    assert r.predicted_peak_bytes > eager.predicted_peak_bytes
+    assert r.predicted_baseline_peak_bytes == eager.predicted_baseline_peak_bytes
+    # measured <= predicted, within 3%, without and with the plan (2026-11-26: -0.00% and -0.18%; before the
+    # compiled prediction the planned step measured 1.70% above the eager prediction)
+    assert -0.03 <= r.baseline_peak_error <= 0, r.summary()
+    assert -0.03 <= r.peak_error <= 0, r.summary()
     assert r.planned.peak_bytes < r.baseline.peak_bytes  # and the plan still lowers the compiled peak
     assert r.measured_recompute_flops is None and "not counted" in r.summary()
     assert r.grads_match

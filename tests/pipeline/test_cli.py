@@ -43,3 +43,35 @@ def test_pp_usage_errors_are_one_line(argv, code, msg, capsys):
 def test_pp_on_a_cnn_preset_says_how_to_pipeline_your_own_model(capsys):
     assert main(["plan", "cnn-tiny", "--pp", "2", "-q"]) == 1
     assert "sacplan.collect_pipeline(stage_fns, inputs" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_pp_with_tp_and_dp_shard_plans_each_stage_on_the_composed_mesh(tmp_path, capsys):
+    """--pp 2 --tp 2 --dp-shard 2: every stage collected as its rank of the 8-rank mesh (torchtitan's layout per
+    stage), one plan file whose stages apply to the unparallelized stage modules."""
+    out = tmp_path / "pp.json"
+    rc = main(["plan", "llama-tiny", "--pp", "2", "--microbatches", "2", "--seq", "32", "--tp", "2", "--dp-shard", "2",
+               "--device", "h100", "--budget", "80%", "-q", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "mesh pp 2 x dp_shard 2 x tp 2: each stage planned as its rank" in text
+    assert "== stage 0 (rank 0)" in text and "== stage 1 (rank 1)" in text and "world size 8" in text
+    plan = sacplan.load_plan(out)
+    from sacplan.models import get_model
+    from sacplan.pipeline.presets import preset_pipeline
+
+    fns, _, _ = preset_pipeline(get_model("llama-tiny"), 2, batch=2, seq=32, dtype=None)
+    for i, f in enumerate(fns):
+        sacplan.apply_plan(f(), plan, stage=i)  # the stage's part, checked against the module
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--pp", "2", "--tp", "3", "--seq", "48"], "tensor parallel degree 3 does not divide n_heads=4"),
+    (["--pp", "3", "--tp", "2"], "3 pipeline stages need at least 3 layers"),
+    (["--pp", "2", "--tp", "2", "--world-size", "2"], "drop --world-size"),
+    (["--pp", "2", "--tp", "2", "--seq", "31"], "--seq 31 does not split into 2 sequence shards"),
+])
+def test_pp_with_impossible_mesh_layouts_are_one_line_errors(argv, msg, capsys):
+    rc = main(["plan", "llama-tiny", "--seq", "32", "-q"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1

@@ -22,7 +22,7 @@ from sacplan.solver import SolverOptions, TimeLimitWarning, baseline_peak, certi
 from sacplan.solver import limits
 from sacplan.solver.backends import solve_model
 from sacplan.solver.front import thin_front
-from sacplan.solver.model import MilpModel
+from sacplan.solver.model import MilpModel, SolveInterrupted
 from sacplan.budget_sweep import sweep
 from sacplan.testing.llama_tree import llama_tree
 
@@ -209,7 +209,7 @@ def test_on_interrupt_incumbent_returns_the_best_plan_so_far(monkeypatch):
     budget_mod = importlib.import_module("sacplan.solver.budget_milp")
 
     def interrupted(*a, **k):  # Ctrl-C before the search found anything better than the heuristic's plan
-        raise limits.SolveInterrupted(None)
+        raise SolveInterrupted(None)
 
     monkeypatch.setattr(budget_mod, "_exact_in_bytes", interrupted)
     tree = llama_tree(8)
@@ -259,7 +259,7 @@ def test_a_tiny_limit_still_returns_a_plan_when_no_rounding_of_the_lp_fits(monke
     # plan then comes from a short min-peak MILP (else a 0.5 s sweep failed: "no plan before the time limit")
     import numpy as np
 
-    from sacplan.solver import search
+    from sacplan.solver import heuristic as search
 
     tree = llama_tree(8)
     budget = int(baseline_peak(tree) * 0.7)
@@ -321,15 +321,15 @@ def test_progress_inside_a_sub_problem_shows_the_whole_search() -> None:
     (the smaller incumbent, the smaller bound), so the bound never seems to jump up and down."""
     import io
 
-    from sacplan.solver import limits
+    from sacplan.solver import limits, progress
 
     out = io.StringIO()
-    with limits.progress_to(out), limits.deadline(None):
-        limits.report(10.0, 8.0, 0.2, force=True)
-        with limits.within(9.5, 8.5):
-            limits.report(10.0, 9.0, 0.1, force=True)  # leaf: worse incumbent, its own (higher) bound
-        with limits.within(11.0, 7.0):
-            limits.report(10.0, 9.0, 0.1, force=True)
+    with progress.progress_to(out), limits.deadline(None):
+        progress.report(10.0, 8.0, 0.2, force=True)
+        with progress.within(9.5, 8.5):
+            progress.report(10.0, 9.0, 0.1, force=True)  # leaf: worse incumbent, its own (higher) bound
+        with progress.within(11.0, 7.0):
+            progress.report(10.0, 9.0, 0.1, force=True)
     lines = out.getvalue().splitlines()
     assert "best 10.0000 ms, bound 8.0000 ms, gap 20.000%" in lines[0]
     assert "best 9.5000 ms, bound 8.5000 ms, gap 10.526%" in lines[1]

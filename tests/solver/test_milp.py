@@ -12,7 +12,7 @@ from sacplan.plan import Plan
 from sacplan.solver import SolverOptions, baseline_peak, min_feasible_budget, solve
 from sacplan.solver import budget_milp as budget_mod
 from sacplan.solver import milp as milp_mod
-from sacplan.solver import search as search_mod
+from sacplan.solver import heuristic as search_mod
 from sacplan.solver.candidates import envelope
 from sacplan.solver.formulation import build_budget_model
 from sacplan.solver.milp import TimeLimitWarning

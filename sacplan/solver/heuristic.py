@@ -1,12 +1,8 @@
-"""Plans without the budget MILP's search: the heuristic incumbent, exact-byte repair, the min-peak plan.
-
-* :func:`heuristic` finds a good feasible incumbent for the budget MILP (LP relaxation, rounding of the
-  checkpoint flags, LP re-solve over the ratios, in exact mode rounding of the option levels and a local
-  descent, :func:`improve`) that the branch-and-bound starts from;
-* :func:`repair` raises ratios until a decision fits the budget exactly in bytes (solver tolerances);
-* :func:`solve_min_peak` solves the min-peak MILP: the smallest feasible budget and a plan that meets it.
-
-Every decision is checked by the exact evaluation of :class:`~sacplan.solver.problem.SacProblem`.
+"""The heuristic incumbent of the budget MILP (:func:`heuristic`): the LP relaxation, rounding of the checkpoint
+flags, an LP re-solve over the ratios, in exact mode rounding of the option levels and a local descent
+(:func:`~sacplan.solver.descent.improve`); the branch-and-bound starts from it. Every decision is checked by the
+exact evaluation of :class:`~sacplan.solver.problem.SacProblem` and repaired to fit in bytes
+(:func:`~sacplan.solver.repair.repair`).
 """
 
 from __future__ import annotations
@@ -21,11 +17,13 @@ from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.descent import improve
-from sacplan.solver.formulation import MilpIndex, build_min_peak_model, columns_for, decision_from, fix_y
+from sacplan.solver.formulation import MilpIndex, decision_from, fix_y
 from sacplan.solver.limits import lifted
-from sacplan.solver.model import MilpModel, SolveResult, relaxed
+from sacplan.solver.min_peak import solve_min_peak
+from sacplan.solver.model import MilpModel, relaxed
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
+from sacplan.solver.repair import repair
 
 
 #: Branch-and-bound nodes the heuristic may spend on a min-peak MILP for its first plan when its roundings all
@@ -115,12 +113,19 @@ def _unnest(problem: SacProblem, y: np.ndarray, score: np.ndarray) -> np.ndarray
                 break
             p = problem.candidates[p].parent_slot
         if y[s] > 0.5:  # clear chosen descendants: slots are in pre-order, so they follow s contiguously
-            end = problem.tree.nodes[problem.candidates[s].node].subtree_end
             t = s + 1
-            while t < problem.num_candidates and problem.candidates[t].node < end:
+            while t < problem.num_candidates and _descends(problem, t, s):
                 y[t] = 0.0
                 t += 1
     return y
+
+
+def _descends(problem: SacProblem, t: int, s: int) -> bool:
+    """Candidate slot ``t`` lies inside candidate slot ``s`` (ancestors have smaller slots: pre-order)."""
+    p = problem.candidates[t].parent_slot
+    while p > s:
+        p = problem.candidates[p].parent_slot
+    return p == s
 
 
 def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.ndarray) -> np.ndarray:
@@ -157,52 +162,3 @@ def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.nda
         else:
             r[s] = o.ratio[sum(1 for j in idx.w[s] if x[j] > 1e-6)]
     return r
-
-
-def repair(
-    problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, max_iter: int | None = None
-) -> np.ndarray | None:
-    """Raise discard ratios of checkpointed modules until every event fits ``budget`` exactly in bytes.
-
-    Solvers work to a feasibility tolerance (~1 byte here); this removes such tiny violations (it only
-    ever raises ratios, which lowers every event). Returns the repaired ratios, or None if impossible.
-    """
-    r = r.copy()
-    C, _ = problem.linear_terms()
-    max_iter = max_iter or (4 * len(problem.ev_base) + 16)
-    for _ in range(max_iter):
-        m = problem.peaks(y, r)
-        e = int(np.argmax(m))
-        viol = m[e] - budget
-        if viol <= 0:
-            return r
-        weight = C[e]  # bytes each slot's calls free at this event at ratio 1 (0 everywhere at an 'other' event)
-        room = weight * (1.0 - r) * (y > 0.5)
-        if room.sum() < viol:
-            return None
-        s = int(np.argmax(room))
-        r[s] = min(1.0, r[s] + (viol * (1 + 1e-12) + 1e-3) / weight[s])
-    return None
-
-
-def solve_min_peak(
-    problem: SacProblem, opts: SolverOptions, node_limit: int | None = None
-) -> tuple[int, np.ndarray, np.ndarray, SolveResult, float]:
-    """Solve the min-peak MILP with ``opts``' back-end and threads within ``node_limit`` branch-and-bound nodes
-    (None: the call's work budget only; the wall-clock :func:`~sacplan.solver.limits.deadline` is the safety net);
-    returns (ceil of the exact peak of its solution, y, r, result, build_s)."""
-    t0 = time.perf_counter()
-    model, idx = build_min_peak_model(problem)
-    nc = problem.num_candidates
-    warm = columns_for(problem, model, idx, np.zeros(nc), np.zeros(nc))
-    build_s = time.perf_counter() - t0
-    res = solve_model(model, opts.backend, gap_rel=1e-9, gap_abs=1e-9, threads=opts.threads, warm_start=warm,
-                      node_limit=node_limit)
-    if res.x is None:
-        raise SolverError(f"the min-peak MILP returned no solution ({res.solver}: {res.raw_status})")
-    y, _ = decision_from(problem, idx, res.x)
-    # Every event only falls as a ratio grows, so for the chosen units r = 1 is optimal: the peak depends on
-    # the integer choice alone and is evaluated exactly (no solver tolerance in the reported minimum).
-    r = y.copy()
-    peak = problem.peak(y, r)
-    return int(math.ceil(peak - 1e-6)), y, r, res, build_s

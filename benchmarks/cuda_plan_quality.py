@@ -1,0 +1,166 @@
+"""Plan quality in measured GPU time (issue 26, item 4): the usual hand-written alternatives against sacplan at the
+same predicted peak, as real step times on one GPU.
+
+    python3 benchmarks/cuda_plan_quality.py prepare --target H100    # CPU host: fake steps, plans, predictions
+    python3 benchmarks/cuda_plan_quality.py measure                  # GPU host: interleaved timed steps
+
+``prepare`` collects each case of ``benchmarks/cuda_validation.py`` on fakes for the target, builds the
+alternatives of :mod:`sacplan.alternatives` (full AC of every block, every other block, torchtitan's op list)
+and, for each, the sacplan plan at the alternative's own predicted peak; every plan is saved to ``--plans``.
+``measure`` builds each case once on the GPU and times forward + backward (CUDA events) of no plan, each
+alternative and its sacplan plan in interleaved rounds (median and spread of ``--rounds``), after one step per
+variant that records ``torch.cuda.max_memory_allocated`` (its peak). The table shows, per alternative, the
+predicted recompute ms (sacplan's roofline for the target) and the measured extra ms over no plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cuda_validation import CASES  # noqa: E402  (the benchmark's cases, one definition)
+from sac_mode_overhead import _timer  # noqa: E402
+
+MiB = 2**20
+ALTERNATIVES = ("full_ac_plan", "every_other_block_plan", "torchtitan_op_sac_plan")
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Alternatives and sacplan at their predicted peaks, saved as plan files with an index."""
+    from sacplan import alternatives as alt
+    from sacplan.collector import collect
+    from sacplan.evaluate import predict
+    from sacplan.solver import solve
+    from sacplan.testing.torchvision_cpu import declare_torchvision_schemas
+    from sacplan.tree import ModuleTree
+    from sacplan.units import Bytes
+    from sacplan.validation import plan_choices
+
+    keep = declare_torchvision_schemas()  # noqa: F841  (kept alive: transformers imports torchvision)
+    out = Path(args.plans)
+    out.mkdir(parents=True, exist_ok=True)
+    index: list[dict[str, Any]] = []
+    for name in args.cases:
+        case = CASES[name]()
+        torch.manual_seed(0)
+        stats = collect(case["build"], case["inputs"](), device=args.target, loss_fn=case["loss"], dtype=case["dtype"])
+        tree = ModuleTree(stats)
+        blocks = alt.find_blocks(tree)
+        for make in ALTERNATIVES:
+            plan = getattr(alt, make)(tree, blocks)
+            pred = predict(tree, plan_choices(plan))
+            ours = solve(tree, Bytes(pred.peak_bytes), time_limit_s=60)
+            stem = f"{name}.{make.removesuffix('_plan')}"
+            plan.save(out / f"{stem}.json")
+            ours.save(out / f"{stem}.sacplan.json")
+            row = {"case": name, "alternative": make.removesuffix("_plan"), "file": f"{stem}.json", "sacplan": f"{stem}.sacplan.json",
+                   "alt_peak": pred.peak_bytes, "alt_recompute_ms": pred.recompute_ms, "sacplan_peak": ours.predicted_peak_bytes,
+                   "sacplan_recompute_ms": ours.recompute_ms, "no_plan_peak": stats.peak_bytes, "step_ms": stats.step_ms}
+            index.append(row)
+            print(f"{name:9s} {row['alternative']:22s} peak {pred.peak_bytes / MiB:9.1f} MiB rc {pred.recompute_ms:7.2f} ms | "
+                  f"sacplan {ours.predicted_peak_bytes / MiB:9.1f} MiB rc {ours.recompute_ms:7.2f} ms", flush=True)
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def _variants(name: str, rows: list[dict], plans: Path) -> dict[str, Any]:
+    from sacplan.plan import load_plan
+
+    out: dict[str, Any] = {"none": None}
+    for r in rows:
+        if r["case"] == name:
+            out[r["alternative"]] = load_plan(plans / r["file"])
+            out[r["alternative"] + " -> sacplan"] = load_plan(plans / r["sacplan"])
+    return out
+
+
+def measure_case(name: str, rows: list[dict], plans: Path, rounds: int, dev: torch.device) -> dict[str, tuple[float, float, float, int]]:
+    """Per variant: (median ms, min ms, max ms, peak bytes; 0 off CUDA) of forward + backward on ``dev``."""
+    from sacplan.apply import apply_plan, remove_plan
+    from sacplan.collector.calling import as_inputs, as_loss, call_model
+
+    case, variants = CASES[name](), _variants(name, rows, plans)
+    torch.manual_seed(0)
+    model = case["build"]().to(dev)
+    if case["dtype"] is not None:
+        model.to(case["dtype"])
+    model.train()
+    args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, as_inputs(case["inputs"]()))
+    loss = as_loss(case["loss"])
+
+    def step() -> None:
+        loss(call_model(model, args), args).backward()
+        model.zero_grad(set_to_none=True)
+
+    def use(v: str) -> None:
+        remove_plan(model)
+        if variants[v] is not None:
+            apply_plan(model, variants[v])
+
+    peaks: dict[str, int] = {}
+    for v in variants:  # warm-up step, then the measured peak of one step
+        use(v)
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        step()
+        peaks[v] = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+    timed, times = _timer(dev), {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            use(v)
+            times[v].append(timed(step))
+    remove_plan(model)
+    return {v: (statistics.median(t), min(t), max(t), peaks[v]) for v, t in times.items()}
+
+
+def measure(args: argparse.Namespace) -> None:
+    plans = Path(args.plans)
+    rows = json.loads((plans / "index.json").read_text())
+    dev = torch.device(args.device)
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}", flush=True)
+    for name in dict.fromkeys(r["case"] for r in rows):
+        t0 = time.perf_counter()
+        try:
+            res = measure_case(name, rows, plans, args.rounds, dev)
+        except Exception as e:  # keep measuring the other cases
+            print(f"{name}: {type(e).__name__}: {e}"[:300], flush=True)
+            continue
+        base = res["none"][0]
+        print(f"\n{name} ({time.perf_counter() - t0:.0f} s; no plan {base:.1f} ms, peak {res['none'][3] / MiB:.0f} MiB)")
+        print(f"{'variant':<38} {'pred rc ms':>10} {'meas extra ms':>13} {'spread ms':>13} {'peak MiB':>9}")
+        for r in (r for r in rows if r["case"] == name):
+            for v, rc in ((r["alternative"], r["alt_recompute_ms"]), (r["alternative"] + " -> sacplan", r["sacplan_recompute_ms"])):
+                med, lo, hi, peak = res[v]
+                print(f"{v:<38} {rc:>10.1f} {med - base:>+13.1f} {lo - base:>+6.1f}..{hi - base:<+6.1f} {peak / MiB:>9.0f}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for cmd in ("prepare", "measure"):
+        p = sub.add_parser(cmd)
+        p.add_argument("--plans", default=str(HERE / "cuda_quality_plans"))
+    sub.choices["prepare"].add_argument("--cases", nargs="+", default=["llama-1b", "gpt2", "vit-b16"], choices=list(CASES))
+    sub.choices["prepare"].add_argument("--target", default="H100")
+    sub.choices["measure"].add_argument("--rounds", type=int, default=7)
+    sub.choices["measure"].add_argument("--device", default="cuda", help="cpu: a smoke run (with plans prepared for --target CPU)")
+    args = ap.parse_args()
+    (prepare if args.cmd == "prepare" else measure)(args)
+
+
+if __name__ == "__main__":
+    main()
