@@ -1,6 +1,6 @@
 """Plan quality: sacplan against the usual checkpointing alternatives, at equal memory.
 
-    python benchmarks/plan_quality.py [--quick] [--no-compile] [--no-7b]
+    python benchmarks/plan_quality.py [--quick] [--no-compile] [--no-7b] [--timed R]
 
 Real CPU section (per model: a 4-layer Llama at seq 256 with dropout 0, and cnn-tiny): every alternative
 of :mod:`sacplan.alternatives` is applied and measured on a real training step (forward + backward), then
@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -47,6 +48,7 @@ from sacplan.validation import plan_choices
 FLOP_SPEC = dataclasses.replace(CPU, hbm_bandwidth=1e30)
 MB = 1e6
 POINTS: dict[str, list[tuple[str, float, float]]] = {}  # model -> [(label, peak MB, recompute GFLOP or ms)]
+TIMED_ROUNDS = 0  # --timed R: also time each alternative and its sacplan plan (issue 26.4)
 
 
 def _verdict(name: str, ours_peak: int, ours_rc: float, alt_peak: int, alt_rc: float, unit: str) -> str:
@@ -73,6 +75,7 @@ def real_section(label: str, model_fn, inputs_fn, loss_fn, *, compile_budgets, r
     no_ac = meas(None)
     rows = []
     verdicts = []
+    pairs: list[tuple[str, object, object]] = []  # (alternative, its plan or None, sacplan's plan at its measured peak)
     pts = POINTS.setdefault(label, [])
 
     def add(name, budget, m, ours=None, m_ours=None):
@@ -89,6 +92,8 @@ def real_section(label: str, model_fn, inputs_fn, loss_fn, *, compile_budgets, r
             verdicts.append(f"  verdict {name}: sacplan infeasible at {m['peak_bytes']} B ({e})")
             return
         add(name, m["peak_bytes"], m, ours, meas(ours))
+        if plan_or_none is not None:
+            pairs.append((name, plan_or_none, ours))
 
     add("no AC", None, no_ac)
     for make in (alt.full_ac_plan, alt.every_other_block_plan, alt.torchtitan_op_sac_plan, alt.save_list_plan):
@@ -149,8 +154,61 @@ def real_section(label: str, model_fn, inputs_fn, loss_fn, *, compile_budgets, r
         full_fl, ours_fl = rows[1][2]["recompute_flops"], rows[1][4]["recompute_flops"]
         print(f"  at full AC's peak: sacplan {ours_fl / 1e9:.4f} GFLOP = {ours_fl / full_fl:.2%} of full AC (measured); "
               f"over every plan: {certify(ftree, full_peak).summary(full_ms)}")
+    if TIMED_ROUNDS:
+        timed_table(model_fn, inputs_fn, loss_fn, pairs, {name: (m, mo) for name, _, m, _, mo in rows}, TIMED_ROUNDS)
     print(f"({label}: {time.time() - t0:.0f} s)")
     sys.stdout.flush()
+
+
+def interleaved_ms(model_fn, inputs_fn, loss_fn, plans: dict[str, object], rounds: int) -> dict[str, list[float]]:
+    """Wall ms of forward + backward of one model under each plan (None: no plan), in interleaved rounds (each
+    round runs every plan once, so drift and load hit them alike), after one warm-up step each."""
+    from sacplan.apply import apply_plan, remove_plan
+    from sacplan.collector.calling import as_inputs, as_loss, call_model
+
+    torch.manual_seed(0)
+    model, args, loss = model_fn(), as_inputs(inputs_fn()), as_loss(loss_fn)
+    model.train()
+
+    def step() -> float:
+        t = time.perf_counter()
+        loss(call_model(model, args), args).backward()
+        model.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t) * 1e3
+
+    def use(plan) -> None:
+        remove_plan(model)
+        if plan is not None and getattr(plan, "decisions", ()):
+            apply_plan(model, plan, check_fingerprint=False)
+
+    out: dict[str, list[float]] = {k: [] for k in plans}
+    for k, plan in plans.items():
+        use(plan)
+        step()
+    for _ in range(rounds):
+        for k, plan in plans.items():
+            use(plan)
+            out[k].append(step())
+    remove_plan(model)
+    return out
+
+
+def timed_table(model_fn, inputs_fn, loss_fn, pairs, measured, rounds: int) -> None:
+    """Issue 26.4: each alternative and sacplan at its measured peak, as measured CPU step time (median and
+    spread of ``rounds`` interleaved steps) beside recomputed FLOPs."""
+    plans: dict[str, object] = {"no AC": None}
+    for name, plan, ours in pairs:
+        plans[name], plans[name + " -> sacplan"] = plan, ours
+    ms = interleaved_ms(model_fn, inputs_fn, loss_fn, plans, rounds)
+    base = statistics.median(ms["no AC"])
+    print(f"measured CPU step time (forward + backward, {rounds} interleaved rounds; no AC median {base:.1f} ms):")
+    print(f"  {'alternative':<30} {'rc GFLOP':>9} {'extra ms':>9} {'spread':>17} | {'sacplan rc GFLOP':>16} {'extra ms':>9} {'spread':>17}")
+    for name, _, _ in pairs:
+        m, mo = measured[name]
+        a, b = ms[name], ms[name + " -> sacplan"]
+        spread = lambda t: f"{min(t) - base:+.1f}..{max(t) - base:+.1f}"  # noqa: E731
+        print(f"  {name:<30} {m['recompute_flops'] / 1e9:9.4f} {statistics.median(a) - base:+9.1f} {spread(a):>17} | "
+              f"{mo['recompute_flops'] / 1e9:16.4f} {statistics.median(b) - base:+9.1f} {spread(b):>17}")
 
 
 def _ref_worker(tree_dict, budget, q):
@@ -266,7 +324,11 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-7b", action="store_true")
     ap.add_argument("--only-7b", action="store_true", help="only the fake-mode Llama-7B section")
+    ap.add_argument("--timed", type=int, default=0, metavar="R",
+                    help="also measure CPU step time of each alternative and its sacplan plan in R interleaved rounds")
     a = ap.parse_args()
+    global TIMED_ROUNDS
+    TIMED_ROUNDS = a.timed
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     t0 = time.time()
