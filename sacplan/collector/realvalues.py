@@ -53,7 +53,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sacplan.collector.calling import as_inputs
-from sacplan.collector.fakekernels import FACTORY_SOURCE, FAKE_KERNELS, NO_VALUE_SOURCES, RANDOM_SOURCE, UnansweredValue
+from sacplan.collector.fakekernels import (
+    FACTORY_SOURCE, FAKE_KERNELS, LAYOUT_KERNELS, NO_VALUE_SOURCES, RANDOM_SOURCE, UnansweredValue,
+)
 
 __all__ = ["RealValueMode", "HostFastPaths", "UnansweredValue", "NO_VALUE_SOURCES"]
 
@@ -248,7 +250,7 @@ class RealValueMode(TorchDispatchMode):
         kernel = FAKE_KERNELS.get(func)
         out = kernel(self, func, args, kwargs) if kernel is not None else NotImplemented
         if out is not NotImplemented:
-            self.answered += 1
+            self.answered += func not in LAYOUT_KERNELS  # layout kernels answer no value question
         else:
             try:
                 out = func(*args, **kwargs)

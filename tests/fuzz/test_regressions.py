@@ -51,6 +51,26 @@ def test_cpu_flash_attention_workspace() -> None:
     assert_exact(ModelSpec(layers=(Layer("attention"),), dim=32, seq=16), 0.0)
 
 
+def test_batchnorm_backward_layout() -> None:
+    """Conv1d → BatchNorm1d → GELU over a transposed sequence: GELU's backward hands BatchNorm a non-contiguous
+    gradient. The CPU ``native_batch_norm_backward`` returns a contiguous grad_input (the input's layout); the fake
+    (torch's meta kernel) returned the gradient's layout, so the convolution backward's workspace was measured for
+    a non-contiguous gradient it never sees: predicted peak one activation too high (-8,192 B, -3.4%). Fixed in
+    sacplan/collector/fakekernels.py (``LAYOUT_KERNELS``: grad_input in the input's suggested memory format, as
+    the CPU, native CUDA and cuDNN kernels allocate it)."""
+    assert_exact(ModelSpec(layers=(Layer("conv1d", act="gelu"),), dim=64, seq=16), 0.0)
+
+
+def test_mse_loss_output_storage() -> None:
+    """``F.mse_loss(out, target)`` (mean): the kernel computes the elementwise loss into an input-sized tensor and
+    returns the mean as a 0-d tensor on that storage (``resize_({})`` keeps the bytes), so the loss holds
+    input-sized bytes (8 KiB here) until it is freed; the fake result had a 4-byte storage: predicted peak one
+    activation too low (+2% on this model). Fixed in sacplan/collector/fakekernels.py (``LAYOUT_KERNELS``:
+    mse / smooth L1 / BCE / soft margin, CPU and CUDA alike) and the losses' input-sized temporaries in
+    sacplan/collector/workspace.py."""
+    assert_exact(ModelSpec(layers=(Layer("linear"),) * 2, dim=64, seq=16, loss="mse_loss"), 0.0)
+
+
 # ------------------------------------------------------------------------------------------ open: memory model
 RNG_COPY = "the RNG state copied while recomputing (fork_rng) is not in the memory model"
 
@@ -117,26 +137,6 @@ def test_inplace_arithmetic_on_a_saved_output() -> None:
     outputs that later ops of the region mutate in place (gradients differed by up to 6e-3 before issue 24.1's
     rule; the module is now checkpointed whole)."""
     assert_exact(ModelSpec(layers=(Layer("inplace"),), dim=64, batch=3, seq=32), 0.0)
-
-
-# ------------------------------------------------------------------------------------------ open: collector fakes
-@pytest.mark.xfail(strict=True, reason="fake native_batch_norm_backward output layout differs from the CPU kernel's")
-def test_batchnorm_backward_layout() -> None:
-    """Conv1d → BatchNorm1d → GELU over a transposed sequence: GELU's backward hands BatchNorm a non-contiguous
-    gradient. The CPU ``native_batch_norm_backward`` returns a contiguous grad_input (the input's layout); the fake
-    (torch's meta kernel) returns the gradient's layout, so the convolution backward's workspace is measured for
-    a non-contiguous gradient it never sees: predicted peak one activation too high (-8,192 B, -3.4%). Root
-    cause: no fake kernel matching the CPU layout for aten.native_batch_norm_backward (collector fake kernels)."""
-    assert_exact(ModelSpec(layers=(Layer("conv1d", act="gelu"),), dim=64, seq=16), 0.0)
-
-
-@pytest.mark.xfail(strict=True, reason="the CPU mse_loss result views the unreduced loss; the fake result is 4 B")
-def test_mse_loss_output_storage() -> None:
-    """``F.mse_loss(out, target)`` (mean): the CPU kernel computes the elementwise loss into an input-sized tensor
-    and returns the mean as a 0-d view of it, so the loss holds input-sized bytes (8 KiB here) until it is freed;
-    the fake result has a 4-byte storage. Predicted peak one activation too low (+2% on this model). Root cause:
-    the output storage of aten.mse_loss on CPU (collector: fake kernel / tracked storage size)."""
-    assert_exact(ModelSpec(layers=(Layer("linear"),) * 2, dim=64, seq=16, loss="mse_loss"), 0.0)
 
 
 # ------------------------------------------------------------------------------------------ open: recomputed FLOPs
