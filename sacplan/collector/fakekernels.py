@@ -19,6 +19,14 @@ op                                fake output
 ``aten.index.Tensor`` with a      a boolean index with a real value becomes its ``nonzero()`` long indices, as the
 boolean / uint8 index             real kernel does; the indexed tensor itself may be an activation (no value)
 ``aten.masked_select``            a 1-D tensor of ``mask``'s (broadcast) count of True elements
+``aten.native_batch_norm``        host CPU target: the output in the input's suggested memory format (contiguous
+(training or not)                 unless channels-last; ``batch_norm_cpu``, measured), where the meta kernel keeps
+                                  the input's strides: BatchNorm1d over ``x.transpose(1, 2)`` returns a contiguous
+                                  tensor, transposed back a non-contiguous one, so a following ``Linear`` copies
+                                  it (``clone`` + ``mm``, not ``view`` + ``addmm``): the op list, hence the plan's
+                                  op keys, must be the real step's. CUDA target: the meta layout is right (CUDA's
+                                  ``batch_norm_cuda`` allocates ``empty_like(input)``, measured on an H200); its
+                                  cuDNN path makes the input contiguous first (sacplan.collector.kernels)
 ``aten.native_batch_norm_         grad_input in the *input's* suggested memory format (contiguous unless the input
 backward``, ``aten.cudnn_batch_   is channels-last), not the output gradient's layout as the meta kernel / the
 norm_backward``                   cuDNN decomposition give: every kernel of a target allocates it so (CPU
@@ -173,19 +181,28 @@ def masked_select(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     return torch.empty((n,), dtype=x.dtype, device=x.device)
 
 
-def batch_norm_backward(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-    """Batch norm backward with grad_input laid out as the input (its suggested memory format)."""
-    out = func(*args, **kwargs)
-    names = ("input", "grad_output") if func is aten.cudnn_batch_norm_backward.default else ("grad_out", "input")
-    x = dict(zip(names, args), **kwargs)["input"]
-    grad_input = out[0]
-    if not isinstance(grad_input, torch.Tensor) or not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+def _first_laid_out_as(out: tuple, x: Any) -> tuple:
+    """``out`` with its first tensor (a fresh kernel output) re-made in ``x``'s suggested memory format."""
+    first = out[0]
+    if not isinstance(first, torch.Tensor) or not isinstance(x, torch.Tensor) or x.layout != torch.strided:
         return out
     fmt = suggest_memory_format(x)
-    if grad_input.is_contiguous(memory_format=fmt):
+    if first.is_contiguous(memory_format=fmt):
         return out
-    laid = torch.empty(x.shape, dtype=grad_input.dtype, device=grad_input.device, memory_format=fmt)
-    return (laid, *out[1:])
+    return (torch.empty(x.shape, dtype=first.dtype, device=first.device, memory_format=fmt), *out[1:])
+
+
+def batch_norm_output(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``native_batch_norm`` on a CPU target: the output in the input's suggested memory format."""
+    out = func(*args, **kwargs)
+    return out if mode.cuda_target else _first_laid_out_as(out, args[0] if args else kwargs["input"])
+
+
+def batch_norm_backward(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Batch norm backward with grad_input laid out as the input (its suggested memory format), every target."""
+    out = func(*args, **kwargs)
+    names = ("input", "grad_output") if func is aten.cudnn_batch_norm_backward.default else ("grad_out", "input")
+    return _first_laid_out_as(out, dict(zip(names, args), **kwargs)["input"])
 
 
 #: Position of ``reduction`` in the schemas of the losses whose reduced result keeps the unreduced storage.
@@ -217,6 +234,7 @@ def unreduced_loss_storage(mode: Any, func: Any, args: tuple, kwargs: dict) -> A
 #: Kernels that decide where an op's output bytes live (layout, storage size) as the target's kernels do; they
 #: need no real value (the other kernels answer value-dependent shapes).
 LAYOUT_KERNELS: dict[Any, FakeKernel] = {
+    aten.native_batch_norm.default: batch_norm_output,
     aten.native_batch_norm_backward.default: batch_norm_backward,
     aten.cudnn_batch_norm_backward.default: batch_norm_backward,
     **{op: unreduced_loss_storage for op in _LOSS_REDUCTION_ARG},

@@ -159,10 +159,15 @@ class RealValueMode(TorchDispatchMode):
     """Answers value questions on fakes from the real inputs (see the module docstring).
 
     Use inside the fake mode the step's tensors belong to and below any recorder, after :meth:`bind`.
+
+    Args:
+        cuda_target: the step is collected for a CUDA device (the layout kernels of
+            :data:`~sacplan.collector.fakekernels.LAYOUT_KERNELS` follow the target's kernels; default: the host CPU).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_target: bool = False) -> None:
         super().__init__()
+        self.cuda_target = cuda_target
         self.nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._ids: set[int] = set()  # ids ever given a recipe: a fast "certainly unknown" test per op
         self._mutable: dict[Any, bool] = {}

@@ -22,7 +22,7 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
   (``softmax``, then ``eq(-inf)`` → a bool tensor of the input's size and ``all(dim)`` → one bool per row,
   both live while it runs). cuDNN batch norm backward copies an output gradient not laid out as the input
   (its own cuDNN workspace is not modelled). MSE / smooth L1 / Huber (reduced) keep one input-sized temporary, BCE with logits
-  two (one more with ``pos_weight``; one fewer unreduced). CTC loss backward (CPU and CUDA) allocates ``log_beta``, the size of the saved
+  two (one unreduced), BCE and soft margin (reduced) a 0-d mean (measured on an H200). CTC loss backward (CPU and CUDA) allocates ``log_beta``, the size of the saved
   ``log_alpha``. Reductions (``sum``, ``mean``, ``amax``...) that split across thread blocks meet in a staging
   buffer (:mod:`sacplan.collector.reductions`, exact on an H200). cuDNN convolutions allocate the workspace
   of the algorithm its heuristics pick (up to 300 MiB measured in a ResNet-50 backward on an H200): not
@@ -62,16 +62,19 @@ WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozen
 #: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``
 #: expanded over a ``Linear``'s output) into a contiguous temporary while they run
 _MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
-#: losses computed as one op that keep the unreduced loss (input-sized, of the broadcast inputs) in temporaries
-#: while they run (Loss.cpp, CPU and CUDA alike): mse / smooth L1 (reduced) compute it into a TensorIterator
-#: temporary and reduce that into the result; huber (reduced) into ``empty_like(input)``; BCE with logits keeps
-#: ``log_sigmoid(input)`` and ``(1 - target)`` (then ``loss``; one more with ``pos_weight``). Value: positions of
-#: ``reduction`` and of ``pos_weight``.
+#: losses computed as one op that keep temporaries while they run (Loss.cpp, CPU and CUDA alike; CUDA figures
+#: measured on an H200): mse / smooth L1 (reduced) compute the unreduced loss into a TensorIterator temporary
+#: and reduce it into the result; huber (reduced) into ``empty_like(input)``; BCE with logits keeps
+#: ``log_sigmoid(input)`` and ``(1 - target)`` (the output when unreduced; ``pos_weight``'s ``log_weight`` dies
+#: before the latter is made); BCE / soft margin (reduced) keep a 0-d mean while they copy it into the output.
+#: Value: position of ``reduction``.
 _LOSS_ARGS = {
-    aten.mse_loss.default: (2, None),
-    aten.smooth_l1_loss.default: (2, None),
-    aten.huber_loss.default: (2, None),
-    aten.binary_cross_entropy_with_logits.default: (4, 3),
+    aten.mse_loss.default: 2,
+    aten.smooth_l1_loss.default: 2,
+    aten.huber_loss.default: 2,
+    aten.binary_cross_entropy_with_logits.default: 4,
+    aten.binary_cross_entropy.default: 3,
+    aten.soft_margin_loss.default: 2,
 }
 #: cuDNN batch norm backward runs on ``grad_output.contiguous(input.suggest_memory_format())``
 #: (aten/src/ATen/native/cudnn/BatchNorm.cpp): a copy while it runs when the gradient arrives in another layout
@@ -127,17 +130,18 @@ def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
 
 
 def _loss_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
-    """Input-sized temporaries of a loss of :data:`_LOSS_ARGS` on CUDA (the reduction's staging not counted)."""
-    red_pos, weight_pos = _LOSS_ARGS[func]
-    reduced = (args[red_pos] if len(args) > red_pos else 1) != 0
+    """Temporaries of a loss of :data:`_LOSS_ARGS` on CUDA (the reduction's staging not counted)."""
+    pos = _LOSS_ARGS[func]
+    reduced = (args[pos] if len(args) > pos else 1) != 0
     x = args[0]
+    if func in (aten.binary_cross_entropy.default, aten.soft_margin_loss.default):
+        return spec.round_alloc(x.element_size()) if reduced else 0
     n = 1
     for d in torch.broadcast_shapes(x.shape, args[1].shape):
         n *= d
     one = spec.round_alloc(n * x.element_size())
     if func is aten.binary_cross_entropy_with_logits.default:
-        extra = len(args) > weight_pos and args[weight_pos] is not None
-        return one * ((2 if reduced else 1) + extra)
+        return 2 * one if reduced else one
     return one if reduced else 0
 
 

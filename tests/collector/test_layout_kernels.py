@@ -19,14 +19,63 @@ aten = torch.ops.aten
 H100_EXACT = get_device("h100").replace(alloc_round_bytes=1)
 
 
-def _fake_and_real(op, *reals):
+def _fake_and_real(op, *reals, cuda_target: bool = False):
     """``op`` on the real tensors and on fakes of them (under the collection's RealValueMode)."""
     real_out = op(*reals)
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [fm.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in reals]
-    with fm, RealValueMode():
+    with fm, RealValueMode(cuda_target=cuda_target):
         fake_out = op(*fakes)
     return real_out, fake_out
+
+
+@pytest.mark.parametrize("x", [torch.randn(3, 32, 16).transpose(1, 2), torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)],
+                         ids=["transposed", "channels-last"])
+def test_batch_norm_output_is_laid_out_as_the_cpu_kernel_lays_it(x: torch.Tensor) -> None:
+    c = x.shape[1]
+    args = (x, torch.randn(c), torch.randn(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5)
+    real, fake = _fake_and_real(aten.native_batch_norm.default, *args)
+    assert [t.stride() for t in fake] == [t.stride() for t in real]
+    # CUDA's native kernel keeps the input's strides (empty_like(input); measured on an H200): the meta layout
+    _, cuda = _fake_and_real(aten.native_batch_norm.default, *args, cuda_target=True)
+    assert cuda[0].stride() == x.stride()
+
+
+class TransposedBatchNorm(nn.Module):
+    """BatchNorm1d over the transposed sequence, then a Linear: the CPU output layout decides its ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.fc = nn.BatchNorm1d(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(x.transpose(1, 2)).transpose(1, 2))
+
+
+def test_collected_ops_after_a_transposed_batch_norm_are_the_real_steps() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model, x = TransposedBatchNorm(), torch.randn(2, 8, 16)
+    with Names() as real:
+        model(x)
+    stats = collect(TransposedBatchNorm(), (x,), device=CPU, loss_fn=lambda out: out.sum(), optimizer=False)
+    fc = [o.name for o in stats.module("fc").ops]
+    assert fc == real.names[real.names.index("aten.transpose.int", 1) + 1:]  # clone + mm on CPU, no addmm
+    assert "aten.addmm.default" not in fc
+    # a CUDA target's cuDNN batch norm runs on a contiguous copy of the transposed input, as on an H200
+    gpu = [o.name for o in collect(TransposedBatchNorm(), (x,), device="h100", loss_fn=lambda out: out.sum(),
+                                   optimizer=False).module("bn").ops]
+    i = gpu.index("aten.cudnn_batch_norm.default")
+    assert gpu[i - 1] == "aten.clone.default"
 
 
 def _bn_args(grad: torch.Tensor, x: torch.Tensor) -> tuple:
@@ -106,10 +155,18 @@ def test_collected_mse_loss_output_holds_input_sized_bytes() -> None:
         (aten.huber_loss.default, (1, 1.0), 1),
         (aten.smooth_l1_loss.default, (2, 1.0), 1),
         (aten.binary_cross_entropy_with_logits.default, (None, None, 1), 2),
-        (aten.binary_cross_entropy_with_logits.default, (None, "pos_weight", 0), 2),
+        (aten.binary_cross_entropy_with_logits.default, (None, "pos_weight", 1), 2),  # log_weight dies first
+        (aten.binary_cross_entropy_with_logits.default, (None, None, 0), 1),
     ],
 )
 def test_cuda_loss_scratch_is_its_input_sized_temporaries(op, args: tuple, temps: int) -> None:
+    """As measured on an H200 (peak during the op minus its output, (64, 1024) fp32 inputs)."""
     x, t = torch.empty(8, 64), torch.empty(8, 64)
     args = tuple(torch.empty(64) if a == "pos_weight" else a for a in args)
     assert kernel_scratch_bytes(H100_EXACT, op, (x, t, *args)) == temps * 8 * 64 * 4
+
+
+def test_cuda_bce_and_soft_margin_scratch_is_their_0d_mean() -> None:
+    x, t = torch.empty(8, 64), torch.empty(8, 64)
+    assert kernel_scratch_bytes(get_device("h100"), aten.binary_cross_entropy.default, (x, t, None, 1)) == 512
+    assert kernel_scratch_bytes(get_device("h100"), aten.soft_margin_loss.default, (x, t, 0)) == 0

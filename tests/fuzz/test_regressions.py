@@ -71,6 +71,22 @@ def test_mse_loss_output_storage() -> None:
     assert_exact(ModelSpec(layers=(Layer("linear"),) * 2, dim=64, seq=16, loss="mse_loss"), 0.0)
 
 
+def test_attention_batchnorm_kwargs_region_recomputes_a_saved_matmul() -> None:
+    """A ``Sequential`` region of attention, BatchNorm1d over the transposed sequence and a sub-module called with
+    keyword arguments, checkpointed with ``addmm`` #0, #2, #3, the attention kernel, ``add_`` and the batch norm
+    saved: ``FlopCounterMode`` counted 196,608 recomputed FLOPs where the plan predicted 131,072, and the planned
+    peak was +2,560 B over. Root cause (a per-op log of the policy's decisions against the collected op list):
+    not the keys on recomputation but the forward itself. The CPU ``native_batch_norm`` returns a contiguous
+    output, the meta kernel kept the transposed input's strides; transposed back, the real output is not
+    contiguous, so the next ``Linear`` runs ``clone`` + ``mm`` where the fake step ran ``view`` + ``addmm``: the
+    plan's ``addmm`` keys after the batch norm named other ops (or none) in the real step. Fixed in
+    sacplan/collector/fakekernels.py (``native_batch_norm`` laid out as the target's kernel lays it);
+    tests/apply/test_op_keys.py pins the keys."""
+    spec = ModelSpec(layers=(Layer("seq", children=(Layer("attention"), Layer("norm", option=2), Layer("kwargs"))),
+                             Layer("shape", option=1)), dim=32, batch=2, seq=16, loss="mean")
+    assert_exact(spec, 0.0)
+
+
 # ------------------------------------------------------------------------------------------ open: memory model
 RNG_COPY = "the RNG state copied while recomputing (fork_rng) is not in the memory model"
 
@@ -139,29 +155,20 @@ def test_inplace_arithmetic_on_a_saved_output() -> None:
     assert_exact(ModelSpec(layers=(Layer("inplace"),), dim=64, batch=3, seq=32), 0.0)
 
 
-# ------------------------------------------------------------------------------------------ open: recomputed FLOPs
-@pytest.mark.xfail(strict=True, reason="one saved addmm is recomputed (FLOPs +65,536 over the plan's)")
-def test_attention_batchnorm_kwargs_region_recomputes_a_saved_matmul() -> None:
-    """A ``Sequential`` region of attention, BatchNorm1d over the transposed sequence and a sub-module called with
-    keyword arguments, checkpointed with ``addmm`` #0, #2, #3, the attention kernel, ``add_`` and the batch norm
-    saved: ``FlopCounterMode`` counts 196,608 recomputed FLOPs where the plan predicts 131,072 (``addmm`` #1, the
-    key/value projection). The 65,536 more are one 32x32x32 ``addmm`` — one of the saved ones runs again (the
-    planned peak is +2,560 B over as well). Every part is needed (shrunk by removing layers and options). Not
-    root-caused: the region's op keys (family, occurrence) on recomputation against the forward's
-    (sacplan/apply/policy.py, sacplan/opnames.py), or early stop, are where to look."""
-    spec = ModelSpec(layers=(Layer("seq", children=(Layer("attention"), Layer("norm", option=2), Layer("kwargs"))),
-                             Layer("shape", option=1)), dim=32, batch=2, seq=16, loss="mean")
-    assert_exact(spec, 0.0)
-
-
-@pytest.mark.xfail(strict=True, reason="one saved addmm is recomputed (FLOPs +3,145,728 over the plan's 0)")
+# ------------------------------------------------------------------------------------------ open: custom Function + BatchNorm
+@pytest.mark.xfail(strict=True, reason="planned peak +7.45% in allocations the dispatch-level tracker does not see")
 def test_custom_function_batchnorm_region_recomputes_a_saved_matmul() -> None:
-    """The same family, found by the default fuzz run: ``body`` (a custom ``autograd.Function`` block, BatchNorm1d
-    over the transposed sequence, a slice + cat block) checkpointed with both ``addmm`` s, BatchNorm's ``add_``
-    (``num_batches_tracked``) and ``tanh`` saved: the plan predicts no recomputed FLOPs, ``FlopCounterMode``
-    counts 3,145,728 (one 96x128x128 ``addmm``: the second, saved one, runs again) and the peak is +7% over.
-    With LayerNorm instead of BatchNorm (same save list less ``add_``) it is exact, and so without the custom
-    Function (then the second ``addmm`` is not saved at this budget)."""
+    """``body`` (a custom ``autograd.Function`` block, BatchNorm1d over the transposed sequence, a slice + cat
+    block) checkpointed. Found as the same family as the attention test above: a saved ``addmm`` ran again
+    (FLOPs +3,145,728 over the plan's 0). That part is fixed with it (the real step runs ``clone`` + ``mm`` after
+    the batch norm; the plan now saves ``mm`` #0 and the recomputed FLOPs are exact, 0).
+
+    Still open: the planned peak is +7.45% over (measured 825.95 KiB, predicted 764.45 KiB, +62,976 B) while
+    sacplan's tracker on the real planned step sees 758.02 KiB, i.e. the extra bytes are allocations no
+    dispatched op makes (kernel workspaces, autograd or checkpoint internals), only with the plan; no op of the
+    region is recomputed (the policy log shows no recompute call). With LayerNorm instead of BatchNorm it is
+    exact, and so without the custom Function. Not root-caused (time): a per-allocation profile of the planned
+    step against the unplanned one is the next step."""
     spec = ModelSpec(layers=(Layer("custom"), Layer("norm", option=2), Layer("seq", children=(Layer("shape", option=2),))),
                      dim=128, batch=3, seq=32)
     assert_exact(spec, 0.38)
