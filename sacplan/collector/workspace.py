@@ -12,7 +12,8 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
   blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32); ``_safe_softmax`` (the math
   attention path) builds boolean masks; fused RMS norm keeps an input-sized temporary; the CPU flash attention
   kernels keep per-thread blocks of scores and fp32 accumulators (their size follows the intra-op thread count,
-  measured with the current one); the losses of one op (MSE, smooth L1, Huber, BCE with logits) keep the
+  measured with the current one); exact GELU's backward keeps two input-sized temporaries when the output
+  gradient is not laid out as the input (a conv block's activation before a transpose: measured 3x the output); the losses of one op (MSE, smooth L1, Huber, BCE with logits) keep the
   unreduced loss in input-sized temporaries; matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
   expanded from a ``sum`` / ``mean``; only such signatures are measured). (CTC loss backward follows its rule
   below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
@@ -56,7 +57,8 @@ _CTC_BACKWARD = frozenset({aten._ctc_loss_backward.default, aten._ctc_loss_backw
 WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozenset(
     {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default,
      aten._scaled_dot_product_flash_attention_for_cpu.default,
-     aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+     aten.gelu_backward.default}
 )
 #: matrix products and their matrix operands: the CPU kernels copy an operand BLAS cannot read in place
 #: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``
