@@ -171,12 +171,16 @@ class Grammar:
     max_depth: int = 2
 
 
-#: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: everything (a construct
-#: whose failure is open elsewhere may be left out here, pinned by a strict-xfail test in
-#: tests/fuzz/test_regressions.py, and put back when that test XPASSes; none is left out now). Model sizes (draw_spec) put peaks near 1 MiB and up, where the one fixed CPU-only constant left out of the
+#: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: everything, less the
+#: constructs whose failures are open, each pinned by a strict-xfail test in tests/fuzz/test_regressions.py
+#: (put them back when those tests XPASS):
+#: * BatchNorm1d as a ``norm`` layer: a ``Linear`` after it (transposed back) has a forward stretch the tracker
+#:   over-counts against the allocator, on the real tensors too
+#:   (test_linear_after_transposed_batchnorm_forward_peak_over_predicted).
+#: Model sizes (draw_spec) put peaks near 1 MiB and up, where the one fixed CPU-only constant left out of the
 #: memory model (the 5,056-byte RNG-state copy made while recomputing, test_recomputation_copies_the_rng_state)
 #: stays under the 1% tolerance; the regression tests pin it at the small sizes where it shows.
-CHECKED = Grammar()
+CHECKED = Grammar(norm_options=(0, 1))
 
 
 def draw_layer(pick: Picker, dim: int, depth: int, grammar: Grammar = Grammar()) -> Layer:

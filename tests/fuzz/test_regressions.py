@@ -200,6 +200,22 @@ def test_inplace_sigmoid_add_region_over_predicted() -> None:
 
 
 # ------------------------------------------------------------------------------------------ open: from the slow run
+@pytest.mark.xfail(strict=True, reason="tracker over-counts a forward stretch after a transposed BatchNorm: -6.29%")
+def test_linear_after_transposed_batchnorm_forward_peak_over_predicted() -> None:
+    """The first failure of ``-m slow`` after this branch's collector fixes (example 19, shrunk by hypothesis to
+    this spec, fraction 0): unplanned and planned peaks predicted 515.27 KiB, measured 484.78 KiB (-31,224 B).
+    sacplan's tracker on the *real* tensors also says 515.27 KiB, on main as here: the fake step now matches
+    the real tensors (main's prediction was right by accident, its fake BatchNorm output had the wrong layout).
+    The predicted peak is a forward stretch, ``body.2.fc`` (``fc(x * scale + pos)`` on the transposed BatchNorm
+    output: ``clone`` + ``mm`` + ``add``), which the allocator never reaches (its real peak is the head's
+    backward, 496,416 B live, the prediction's second-highest event). Not root-caused (time): the tracker's
+    lifetimes in that stretch against the allocator's events (sacplan/collector/storage.py) are where to look."""
+    spec = ModelSpec(layers=(Layer("buffers"), Layer("norm", option=2), Layer("buffers", dropout=0.25),
+                             Layer("norm", dropout=0.25, heads=2, kv_heads=2)),
+                     dim=64, batch=3, seq=64, tie=True, seed=15721, loss="mean")
+    assert_exact(spec, 0.0)
+
+
 @pytest.mark.xfail(strict=True, reason="saved in-place ops on one storage: planned peak +8.4% (+32,256 B)")
 def test_rmsnorm_then_inplace_saved_mutations_peak() -> None:
     """The first failure of ``-m slow`` (its 8th example: +31,744 B, +3.8%), shrunk: RMSNorm → ``h = fc(x);
