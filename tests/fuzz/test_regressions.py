@@ -200,6 +200,21 @@ def test_inplace_sigmoid_add_region_over_predicted() -> None:
 
 
 # ------------------------------------------------------------------------------------------ open: from the slow run
+@pytest.mark.xfail(strict=True, reason="fake step under-counts the backward of a residual in-place block: +9.06%")
+def test_residual_inplace_block_backward_under_predicted() -> None:
+    """``benchmarks/fuzz.py --seeds 0:500`` seed 487 (on main too: +3.66% unplanned), shrunk by hand: a token
+    model whose body is ``x + inplace(x)`` with ``h = fc(x); h += x; h.add_(h.sigmoid()); h *= 0.5``.
+    Unplanned peak predicted 640,964 B, measured 706.51 KiB (+65,548 B, one (4, 32, 128) fp32 activation);
+    sacplan's tracker on the real tensors agrees with the allocator, so the fake step runs a different
+    backward from the real one: the real peak is in the in-place chain's backward (three activation-sized
+    allocations, then ``mul``), where ``x``'s gradient arrives by three paths (the residual, ``fc`` and
+    ``h += x``). Suspect: which of those sums the engine does in place (``accumulation_input``, decided by the
+    old buffer's lifetime, which may differ between the fake and the real step). Not root-caused (time)."""
+    spec = ModelSpec(layers=(Layer("residual", children=(Layer("inplace", option=2),)),), dim=128, batch=4, seq=32,
+                     vocab=128)
+    assert_exact(spec, 1.0)
+
+
 @pytest.mark.xfail(strict=True, reason="tracker over-counts a forward stretch after a transposed BatchNorm: -6.29%")
 def test_linear_after_transposed_batchnorm_forward_peak_over_predicted() -> None:
     """The first failure of ``-m slow`` after this branch's collector fixes (example 19, shrunk by hypothesis to
