@@ -19,7 +19,36 @@ op                                fake output
 ``aten.index.Tensor`` with a      a boolean index with a real value becomes its ``nonzero()`` long indices, as the
 boolean / uint8 index             real kernel does; the indexed tensor itself may be an activation (no value)
 ``aten.masked_select``            a 1-D tensor of ``mask``'s (broadcast) count of True elements
+``aten.native_batch_norm``        host CPU target: the output in the input's suggested memory format (contiguous
+(training or not)                 unless channels-last; ``batch_norm_cpu``, measured), where the meta kernel keeps
+                                  the input's strides: BatchNorm1d over ``x.transpose(1, 2)`` returns a contiguous
+                                  tensor, transposed back a non-contiguous one, so a following ``Linear`` copies
+                                  it (``clone`` + ``mm``, not ``view`` + ``addmm``): the op list, hence the plan's
+                                  op keys, must be the real step's. CUDA target: the meta layout is right (CUDA's
+                                  ``batch_norm_cuda`` allocates ``empty_like(input)``, measured on an H200); its
+                                  cuDNN path makes the input contiguous first (sacplan.collector.kernels)
+``aten.native_batch_norm_         grad_input in the *input's* suggested memory format (contiguous unless the input
+backward``, ``aten.cudnn_batch_   is channels-last), not the output gradient's layout as the meta kernel / the
+norm_backward``                   cuDNN decomposition give: every kernel of a target allocates it so (CPU
+                                  ``batch_norm_backward_cpu_template``: ``empty_like(input,
+                                  input.suggest_memory_format())``; CUDA ``batch_norm_backward_cuda``: the fused
+                                  template's ``empty_like(input, contiguous)``, the elementwise one's
+                                  ``empty(input.sizes(), input.suggest_memory_format())``; cuDNN
+                                  ``cudnn_batch_norm_backward``: ``empty(input.sizes(), ...,
+                                  input->suggest_memory_format())``). A gradient arriving transposed (BatchNorm1d
+                                  over ``x.transpose(1, 2)``) leaves as a contiguous tensor, which is what the
+                                  next op's backward (a convolution's workspace) sees
+``aten.mse_loss``,                reduced (mean / sum): a 0-d result whose *storage* holds the unreduced loss, as
+``aten.smooth_l1_loss``,          on CPU and CUDA alike (Loss.cpp, both devices): the structured
+``aten.binary_cross_entropy``,    ``mse_loss`` / ``smooth_l1_loss`` meta functions allocate the output over the
+``aten.soft_margin_loss``         broadcast inputs and ``resize_({})`` it (a resize never shrinks a storage);
+                                  ``binary_cross_entropy`` (CPU and CUDA) computes into ``empty_like(input)`` and
+                                  ``resize_as_`` s it to the 0-d mean; ``soft_margin_loss`` computes into its
+                                  output and ``resize_({})`` s it. The loss therefore holds input-sized bytes until
+                                  it dies (``huber_loss``, ``l1_loss``, ``nll_loss`` return a fresh 0-d tensor)
 ================================  ================================================================================
+
+The last two rows are about where an output's bytes live, not about values: :data:`LAYOUT_KERNELS`.
 """
 
 from __future__ import annotations
@@ -27,6 +56,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
@@ -151,8 +181,68 @@ def masked_select(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     return torch.empty((n,), dtype=x.dtype, device=x.device)
 
 
+def _first_laid_out_as(out: tuple, x: Any) -> tuple:
+    """``out`` with its first tensor (a fresh kernel output) re-made in ``x``'s suggested memory format."""
+    first = out[0]
+    if not isinstance(first, torch.Tensor) or not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+        return out
+    fmt = suggest_memory_format(x)
+    if first.is_contiguous(memory_format=fmt):
+        return out
+    return (torch.empty(x.shape, dtype=first.dtype, device=first.device, memory_format=fmt), *out[1:])
+
+
+def batch_norm_output(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``native_batch_norm`` on a CPU target: the output in the input's suggested memory format."""
+    out = func(*args, **kwargs)
+    return out if mode.cuda_target else _first_laid_out_as(out, args[0] if args else kwargs["input"])
+
+
+def batch_norm_backward(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Batch norm backward with grad_input laid out as the input (its suggested memory format), every target."""
+    out = func(*args, **kwargs)
+    names = ("input", "grad_output") if func is aten.cudnn_batch_norm_backward.default else ("grad_out", "input")
+    return _first_laid_out_as(out, dict(zip(names, args), **kwargs)["input"])
+
+
+#: Position of ``reduction`` in the schemas of the losses whose reduced result keeps the unreduced storage.
+_LOSS_REDUCTION_ARG = {
+    aten.mse_loss.default: 2,
+    aten.smooth_l1_loss.default: 2,
+    aten.soft_margin_loss.default: 2,
+    aten.binary_cross_entropy.default: 3,
+}
+
+
+def unreduced_loss_storage(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """A reduced loss of :data:`_LOSS_REDUCTION_ARG`: the 0-d result on a storage of the unreduced loss's size."""
+    pos = _LOSS_REDUCTION_ARG[func]
+    reduction = args[pos] if len(args) > pos else kwargs.get("reduction", 1)
+    out = func(*args, **kwargs)
+    if reduction == 0 or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return out  # reduction="none": an ordinary elementwise output
+    x, target = args[0], args[1] if len(args) > 1 else kwargs["target"]
+    if func is aten.binary_cross_entropy.default or func is aten.soft_margin_loss.default:
+        shape = x.shape  # computed into empty_like(input) / an output resized to the input's sizes
+    else:
+        shape = torch.broadcast_shapes(x.shape, target.shape)  # the structured meta's binary TensorIterator
+    held = torch.empty(shape, dtype=out.dtype, device=out.device)
+    held.resize_(())  # as the kernels do: the storage keeps its bytes
+    return held
+
+
+#: Kernels that decide where an op's output bytes live (layout, storage size) as the target's kernels do; they
+#: need no real value (the other kernels answer value-dependent shapes).
+LAYOUT_KERNELS: dict[Any, FakeKernel] = {
+    aten.native_batch_norm.default: batch_norm_output,
+    aten.native_batch_norm_backward.default: batch_norm_backward,
+    aten.cudnn_batch_norm_backward.default: batch_norm_backward,
+    **{op: unreduced_loss_storage for op in _LOSS_REDUCTION_ARG},
+}
+
 #: The ops above and their kernels.
 FAKE_KERNELS: dict[Any, FakeKernel] = {
+    **LAYOUT_KERNELS,
     aten._ctc_loss.default: ctc_loss,
     aten._ctc_loss.Tensor: ctc_loss,
     aten._ctc_loss_backward.default: ctc_loss_backward,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 aten = torch.ops.aten
 
@@ -85,11 +86,13 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
     KernelRow(
         "F.batch_norm / nn.BatchNorm (training; >= 3-D fp32/fp64 input, or fp16 with fp32 weight; affine)",
         "_batch_norm_impl_index's native path: empty (0-byte reserve) + native_batch_norm; saves save_mean and "
-        "save_invstd fp32 (C each)",
+        "save_invstd fp32 (C each); output contiguous (suggested format) whatever the input's strides",
         "cuDNN (the default when cudnn is enabled): aten.cudnn_batch_norm: out + save_mean + save_var fp32 (C each) "
         "+ a reserve buffer (0 bytes on fakes; cuDNN's persistent-mode reserve is not modelled)",
-        "routed to aten.cudnn_batch_norm (same saved bytes; the SAC op list and its names are the GPU's); bf16, "
-        "2-D input or no affine: host path, as CUDA (its own native kernel)",
+        "routed to aten.cudnn_batch_norm on input.contiguous(suggested format), as _batch_norm_impl_index calls it "
+        "(a transposed input is copied and the copy saved; same saved bytes otherwise; the SAC op list and its "
+        "names are the GPU's); bf16, 2-D input or no affine: host path, as CUDA (its own native kernel, whose "
+        "output keeps the input's strides)",
     ),
     KernelRow(
         "flex_attention (torch.nn.attention.flex_attention), training",
@@ -327,6 +330,9 @@ def route_batch_norm(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     if eps <= 0.0 or per_channel <= 1:
         return False, None  # F.batch_norm's own checks raise the error (eps, one value per channel)
     momentum = float(b["momentum"]) if b["momentum"] is not None else 0.0
+    # ``_batch_norm_impl_index`` hands cuDNN ``input.contiguous(input.suggest_memory_format())`` (cuDNN checks
+    # it): a copy of a transposed input, saved for the backward in its place (an ``aten.clone`` on an H200)
+    x = x.contiguous(memory_format=suggest_memory_format(x))
     return True, aten.cudnn_batch_norm(x, weight, bias, mean, var, True, momentum, eps)[0]
 
 

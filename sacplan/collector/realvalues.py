@@ -53,7 +53,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sacplan.collector.calling import as_inputs
-from sacplan.collector.fakekernels import FACTORY_SOURCE, FAKE_KERNELS, NO_VALUE_SOURCES, RANDOM_SOURCE, UnansweredValue
+from sacplan.collector.fakekernels import (
+    FACTORY_SOURCE, FAKE_KERNELS, LAYOUT_KERNELS, NO_VALUE_SOURCES, RANDOM_SOURCE, UnansweredValue,
+)
 
 __all__ = ["RealValueMode", "HostFastPaths", "UnansweredValue", "NO_VALUE_SOURCES"]
 
@@ -157,10 +159,15 @@ class RealValueMode(TorchDispatchMode):
     """Answers value questions on fakes from the real inputs (see the module docstring).
 
     Use inside the fake mode the step's tensors belong to and below any recorder, after :meth:`bind`.
+
+    Args:
+        cuda_target: the step is collected for a CUDA device (the layout kernels of
+            :data:`~sacplan.collector.fakekernels.LAYOUT_KERNELS` follow the target's kernels; default: the host CPU).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_target: bool = False) -> None:
         super().__init__()
+        self.cuda_target = cuda_target
         self.nodes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._ids: set[int] = set()  # ids ever given a recipe: a fast "certainly unknown" test per op
         self._mutable: dict[Any, bool] = {}
@@ -248,7 +255,7 @@ class RealValueMode(TorchDispatchMode):
         kernel = FAKE_KERNELS.get(func)
         out = kernel(self, func, args, kwargs) if kernel is not None else NotImplemented
         if out is not NotImplemented:
-            self.answered += 1
+            self.answered += func not in LAYOUT_KERNELS  # layout kernels answer no value question
         else:
             try:
                 out = func(*args, **kwargs)

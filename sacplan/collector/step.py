@@ -93,7 +93,7 @@ def run_step(
         # transformers_real_paths: the library's value-dependent attention choices follow the real inputs,
         # so the fake step runs the kernels the real one runs (restored on exit).
         # values: data-dependent questions (.item(), mask sizes) answered from the real inputs
-        values = RealValueMode()
+        values = RealValueMode(cuda_target=spec.attention == "flash")
         values.bind(args, real_inputs)
         # flex: FlexAttention runs the target's fused kernel, compiled functions run eagerly (never a compile)
         flex = flex_attention_routed(cuda_target=spec.attention == "flash")

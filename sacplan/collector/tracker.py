@@ -218,8 +218,8 @@ def accumulation_input(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.
     """The storage of ``old`` if this backward op can be the engine's gradient accumulation ``old + new`` that
     the real step runs in place (``old.add_(new)``; see ``StorageAccounting.defer_accumulation_peak``), else
     ``None``. Mirrors the engine's ``can_accumulate_inplace``: grad mode off, a plain ``add`` of two strided
-    tensors of ``old``'s shape and dtype, ``old`` non-overlapping and dense; whether the engine held the last
-    reference is decided by ``old``'s lifetime after the op."""
+    tensors of ``old``'s shape and dtype, ``old`` non-overlapping and dense and not a view (whose storage its
+    base shares); whether the engine held the last reference is decided by ``old``'s lifetime after the op."""
     if func is not aten.add.Tensor or torch.is_grad_enabled() or kwargs.get("alpha", 1) != 1 or len(args) != 2:
         return None
     old, new = args
@@ -228,6 +228,10 @@ def accumulation_input(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.
     if old.layout != torch.strided or new.layout != torch.strided or old.shape != new.shape or old.shape != out.shape:
         return None
     if old.dtype != new.dtype or old.dtype != out.dtype or not _DENSE(old):
+        return None
+    if old._is_view():
+        # a view holds its base's storage too (storage use count 2): the engine adds out of place. A Linear
+        # weight's gradient is one (``mm(...).t()``), so a weight used twice (tied) accumulates out of place.
         return None
     try:
         st = old.untyped_storage()

@@ -12,14 +12,18 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
   blocked layouts; layer norm copies non-contiguous inputs (and bf16 ones to fp32); ``_safe_softmax`` (the math
   attention path) builds boolean masks; fused RMS norm keeps an input-sized temporary; the CPU flash attention
   kernels keep per-thread blocks of scores and fp32 accumulators (their size follows the intra-op thread count,
-  measured with the current one); matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
+  measured with the current one); exact GELU's backward keeps two input-sized temporaries when the output
+  gradient is not laid out as the input (a conv block's activation before a transpose: measured 3x the output); the losses of one op (MSE, smooth L1, Huber, BCE with logits) keep the
+  unreduced loss in input-sized temporaries; matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
   expanded from a ``sum`` / ``mean``; only such signatures are measured). (CTC loss backward follows its rule
   below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
 
 * CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
   ``expect_contiguous()`` copies of a non-contiguous input / output gradient; ``_safe_softmax`` is composite
   (``softmax``, then ``eq(-inf)`` → a bool tensor of the input's size and ``all(dim)`` → one bool per row,
-  both live while it runs). CTC loss backward (CPU and CUDA) allocates ``log_beta``, the size of the saved
+  both live while it runs). cuDNN batch norm backward copies an output gradient not laid out as the input
+  (its own cuDNN workspace is not modelled). MSE / smooth L1 / Huber (reduced) keep one input-sized temporary, BCE with logits
+  two (one unreduced), BCE and soft margin (reduced) a 0-d mean (measured on an H200). CTC loss backward (CPU and CUDA) allocates ``log_beta``, the size of the saved
   ``log_alpha``. Reductions (``sum``, ``mean``, ``amax``...) that split across thread blocks meet in a staging
   buffer (:mod:`sacplan.collector.reductions`, exact on an H200). cuDNN convolutions allocate the workspace
   of the algorithm its heuristics pick (up to 300 MiB measured in a ResNet-50 backward on an H200): not
@@ -33,6 +37,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sacplan.collector.reductions import REDUCTION_OPS, reduction_staging_bytes
@@ -52,13 +57,31 @@ _CTC_BACKWARD = frozenset({aten._ctc_loss_backward.default, aten._ctc_loss_backw
 WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozenset(
     {aten._safe_softmax.default, aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default,
      aten._scaled_dot_product_flash_attention_for_cpu.default,
-     aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+     aten.gelu_backward.default}
 )
 #: matrix products and their matrix operands: the CPU kernels copy an operand BLAS cannot read in place
 #: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``
 #: expanded over a ``Linear``'s output) into a contiguous temporary while they run
 _MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
-WORKSPACE_OPS = WORKSPACE_OPS | frozenset(_MATMUL_ARGS) | REDUCTION_OPS
+#: losses computed as one op that keep temporaries while they run (Loss.cpp, CPU and CUDA alike; CUDA figures
+#: measured on an H200): mse / smooth L1 (reduced) compute the unreduced loss into a TensorIterator temporary
+#: and reduce it into the result; huber (reduced) into ``empty_like(input)``; BCE with logits keeps
+#: ``log_sigmoid(input)`` and ``(1 - target)`` (the output when unreduced; ``pos_weight``'s ``log_weight`` dies
+#: before the latter is made); BCE / soft margin (reduced) keep a 0-d mean while they copy it into the output.
+#: Value: position of ``reduction``.
+_LOSS_ARGS = {
+    aten.mse_loss.default: 2,
+    aten.smooth_l1_loss.default: 2,
+    aten.huber_loss.default: 2,
+    aten.binary_cross_entropy_with_logits.default: 4,
+    aten.binary_cross_entropy.default: 3,
+    aten.soft_margin_loss.default: 2,
+}
+#: cuDNN batch norm backward runs on ``grad_output.contiguous(input.suggest_memory_format())``
+#: (aten/src/ATen/native/cudnn/BatchNorm.cpp): a copy while it runs when the gradient arrives in another layout
+_CUDNN_BN_BACKWARD = aten.cudnn_batch_norm_backward.default
+WORKSPACE_OPS = WORKSPACE_OPS | frozenset(_MATMUL_ARGS) | REDUCTION_OPS | frozenset(_LOSS_ARGS) | {_CUDNN_BN_BACKWARD}
 #: CPU workspaces are measured on real tensors only up to this many argument bytes (then the CUDA rules apply)
 MEASURE_CAP_BYTES = 256 * 2**20
 _CACHE: dict[Any, int] = {}
@@ -94,12 +117,34 @@ def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
     if func in _CTC_BACKWARD and len(args) > 6 and isinstance(args[6], torch.Tensor):
         log_alpha = args[6]
         return spec.round_alloc(log_alpha.numel() * log_alpha.element_size())
+    if func is _CUDNN_BN_BACKWARD and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        x, grad = args[0], args[1]
+        same = grad.is_contiguous(memory_format=suggest_memory_format(x))
+        return 0 if same else spec.round_alloc(grad.numel() * grad.element_size())
+    if func in _LOSS_ARGS and len(args) > 1 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
+        return _loss_scratch_bytes(spec, func, args)
     if func is aten._safe_softmax.default and args and isinstance(args[0], torch.Tensor):
         x = args[0]
         dim = int(args[1]) % max(1, x.dim()) if len(args) > 1 else x.dim() - 1
         rows = x.numel() // max(1, x.shape[dim]) if x.dim() else 1
         return spec.round_alloc(x.numel()) + spec.round_alloc(rows)
     return 0
+
+
+def _loss_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
+    """Temporaries of a loss of :data:`_LOSS_ARGS` on CUDA (the reduction's staging not counted)."""
+    pos = _LOSS_ARGS[func]
+    reduced = (args[pos] if len(args) > pos else 1) != 0
+    x = args[0]
+    if func in (aten.binary_cross_entropy.default, aten.soft_margin_loss.default):
+        return spec.round_alloc(x.element_size()) if reduced else 0
+    n = 1
+    for d in torch.broadcast_shapes(x.shape, args[1].shape):
+        n *= d
+    one = spec.round_alloc(n * x.element_size())
+    if func is aten.binary_cross_entropy_with_logits.default:
+        return 2 * one if reduced else one
+    return one if reduced else 0
 
 
 @contextlib.contextmanager

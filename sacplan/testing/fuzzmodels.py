@@ -172,21 +172,15 @@ class Grammar:
 
 
 #: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: everything, less the
-#: constructs whose failures are open in another area, each pinned by a strict-xfail test in
-#: tests/fuzz/test_regressions.py (put them back when those tests XPASS):
-#: * conv blocks' activations other than ReLU: the fake ``native_batch_norm_backward`` returns the layout of its
-#:   output gradient where the CPU kernel returns a contiguous one (test_batchnorm_backward_layout).
-#: * ``F.mse_loss``: its CPU kernel returns a 0-d view of the unreduced loss (test_mse_loss_output_storage).
-#: * BatchNorm1d as a ``norm`` layer: in a region with it, a saved ``addmm`` after it runs again on recomputation
-#:   (recomputed FLOPs over the plan's; test_*_recomputes_a_saved_matmul).
+#: constructs whose failures are open, each pinned by a strict-xfail test in tests/fuzz/test_regressions.py
+#: (put them back when those tests XPASS):
+#: * BatchNorm1d as a ``norm`` layer: a ``Linear`` after it (transposed back) has a forward stretch the tracker
+#:   over-counts against the allocator, on the real tensors too
+#:   (test_linear_after_transposed_batchnorm_forward_peak_over_predicted).
 #: Model sizes (draw_spec) put peaks near 1 MiB and up, where the one fixed CPU-only constant left out of the
 #: memory model (the 5,056-byte RNG-state copy made while recomputing, test_recomputation_copies_the_rng_state)
 #: stays under the 1% tolerance; the regression tests pin it at the small sizes where it shows.
-CHECKED = Grammar(
-    conv_acts=("relu",),
-    losses=("square", "mean"),
-    norm_options=(0, 1),
-)
+CHECKED = Grammar(norm_options=(0, 1))
 
 
 def draw_layer(pick: Picker, dim: int, depth: int, grammar: Grammar = Grammar()) -> Layer:
