@@ -259,6 +259,18 @@ class ModuleStats:
     input_external_bytes: int = 0
 
     @property
+    def draws_random(self) -> bool:
+        """Whether a call's forward draws random numbers (an op with :attr:`OpStat.is_random`: dropout, attention
+        with dropout, ``rand*``), so that recomputing it must replay the forward's random state. True when no ops
+        were recorded (unknown: assume it does).
+
+        A checkpointed region that draws none needs no RNG state: ``apply`` checkpoints it with
+        ``preserve_rng_state=False`` and the memory model keeps no stashed state for it
+        (:func:`~sacplan.devices.checkpoint_state_bytes`).
+        """
+        return not self.ops or any(o.is_random for o in self.ops)
+
+    @property
     def total_act_bytes(self) -> int:
         return sum(self.act_bytes)
 

@@ -136,9 +136,13 @@ class _PlannedForward:
     """
 
     def __init__(
-        self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool, fused_dropout: bool
+        self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool, fused_dropout: bool,
+        preserve_rng_state: bool = True, fqn: str = "",
     ) -> None:
         self.module = module
+        #: the plan's ``ModuleDecision.preserve_rng_state`` (eager steps; compiled regions keep torch's default)
+        self.preserve_rng_state = preserve_rng_state
+        self.fqn = fqn
         self.saved = saved
         self.save_random = save_random
         self.mutation = mutation
@@ -164,6 +168,7 @@ class _PlannedForward:
             return checkpoint(bound, *args, use_reentrant=False, context_fn=ctx, **kwargs)
         outside = outside_ptrs(module, args, kwargs)
         saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
+        rng, fqn = getattr(self, "preserve_rng_state", True), getattr(self, "fqn", "")  # pickled before the field
         # Hand checkpoint each distinct tensor once and rebuild the arguments from them: with saved-tensor
         # hooks active (offloading, a memory tracker) recomputation gets a new tensor object per saved input,
         # and a forward that branches on identity (nn.MultiheadAttention's ``query is key``) must see the
@@ -188,18 +193,23 @@ class _PlannedForward:
 
         def context_fn() -> Any:
             return create_selective_checkpoint_contexts(
-                make_policy(saved, save_random, outside, fused_dropout=fused_dropout),
+                make_policy(saved, save_random, outside, fused_dropout=fused_dropout, no_rng_state=not rng, region=fqn),
                 allow_cache_entry_mutation=mutation or bool(outside),
             )
 
-        return checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn)
+        # A region that draws no random numbers needs no RNG state: no stash at the forward, no fork_rng copy while
+        # recomputing (sacplan.devices.checkpoint_state_bytes); the policy refuses a random op there.
+        return checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn, preserve_rng_state=rng)
 
 
 def _wrap(module: nn.Module, decision: Any, fused_dropout: bool = False) -> None:
     _unwrap(module)  # a module named twice (or shared under two names) is wrapped once, by its last decision
     orig = module.__dict__.get("forward", None)
     module.__dict__[_ORIG] = orig
-    module.forward = _PlannedForward(module, *policy_settings(decision, fused_dropout))  # type: ignore[method-assign]
+    module.forward = _PlannedForward(  # type: ignore[method-assign]
+        module, *policy_settings(decision, fused_dropout), bool(getattr(decision, "preserve_rng_state", True)),
+        str(getattr(decision, "fqn", "")),
+    )
 
 
 def _unwrap(module: nn.Module) -> None:

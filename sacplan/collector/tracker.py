@@ -30,6 +30,7 @@ from sacplan.collector.runtime import RuntimeModel, op_flops
 from sacplan.collector.storage import storages_of
 from sacplan.collector.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
+from sacplan.opnames import attention_dropout_p
 
 try:  # torch >= 2.4
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
@@ -169,7 +170,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         is_random = torch.Tag.nondeterministic_seeded in func.tags
         if func._overloadpacket in _ATTENTION_PACKETS:
             # SDPA kernels carry the seeded tag; they are random only when called with dropout.
-            is_random = self.next_sdpa_random or _dropout_arg(func, args, kwargs) > 0
+            is_random = self.next_sdpa_random or attention_dropout_p(func, args, kwargs) > 0
             self.next_sdpa_random = False
         parent = None
         if is_inplace:
@@ -249,11 +250,3 @@ _ATTENTION_PACKETS = {
     aten._scaled_dot_product_cudnn_attention,
 }
 
-
-def _dropout_arg(func: Any, args: tuple, kwargs: dict) -> float:
-    if "dropout_p" in kwargs:
-        return float(kwargs["dropout_p"])
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p" and i < len(args):
-            return float(args[i])
-    return 0.0

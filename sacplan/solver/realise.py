@@ -81,6 +81,7 @@ def realise(
                     recompute_flops=c.calls * int(t.full_recompute_flops),
                     saved_ops=forced_saves(st.ops, st.recompute_stop),
                     calls=c.calls,
+                    preserve_rng_state=st.draws_random,
                 )
             )
         elif sel is not None:
@@ -96,6 +97,7 @@ def realise(
                     recompute_flops=c.calls * sel.recompute_flops,
                     saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
                     calls=c.calls,
+                    preserve_rng_state=st.draws_random,
                 )
             )
         else:  # ratio-only decision: whole bytes, rounded up
@@ -110,6 +112,7 @@ def realise(
                     recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real[s])))),
                     saved_ops=forced_saves(st.ops, st.recompute_stop),
                     calls=c.calls,
+                    preserve_rng_state=st.draws_random,
                 )
             )
     return decisions, y, r_real

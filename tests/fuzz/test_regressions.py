@@ -51,23 +51,16 @@ def test_cpu_flash_attention_workspace() -> None:
     assert_exact(ModelSpec(layers=(Layer("attention"),), dim=32, seq=16), 0.0)
 
 
-# ------------------------------------------------------------------------------------------ open: memory model
-RNG_COPY = "the RNG state copied while recomputing (fork_rng) is not in the memory model"
-
-
-@pytest.mark.xfail(strict=True, reason=RNG_COPY)
+# ------------------------------------------------------------------------------------------ RNG state (fixed)
 def test_recomputation_copies_the_rng_state() -> None:
     """``torch.utils.checkpoint`` recomputes under ``torch.random.fork_rng``, which copies the CPU generator's state
     (``torch.get_rng_state()``, 5,056 B) for the length of the recomputation, on top of the state stashed at the
-    forward (which is modelled: ``checkpoint_state_bytes``). Here the planned peak lies in the recomputation of
-    ``body`` and is 832 B over the prediction (+1.3%); elsewhere +5,056 B.
+    forward (``checkpoint_state_bytes``). The planned peak lay in the recomputation of ``body``: 832 B over the
+    prediction (+1.3%); elsewhere +5,056 B.
 
-    Root cause: sacplan/evaluate.py ``event_peaks`` and sacplan/solver/problem.py ``_events`` add only
-    ``Timeline.extra`` (the recompute transient) at a checkpointed call's rc event. Adding the copy there
-    unconditionally is wrong too (tried: the 3-Linear model of the next test then comes out 5,056 B *under*):
-    the rc event's stretch also holds the backward that precedes the recomputation (the loss's, here), whose
-    peak does not overlap the copy. The copy belongs to the recomputation's own bytes (its transient), i.e. in
-    sacplan/timeline.py's rc-event composition (or in ``extra`` from the collector)."""
+    Fixed by construction (sacplan/devices.py ``checkpoint_state_bytes``, sacplan/stats.py ``draws_random``): no
+    region here draws random numbers, so the plan says ``preserve_rng_state=False`` and ``apply`` checkpoints
+    without the state (no stash, no copy; nothing to replay, so the same gradients); the model keeps none."""
     spec = ModelSpec(layers=(Layer("seq", children=(Layer("linear", act="silu"),)), Layer("linear", act="silu")),
                      dim=32, batch=2, seq=16, vocab=64)
     assert_exact(spec, 0.0)
@@ -75,31 +68,37 @@ def test_recomputation_copies_the_rng_state() -> None:
 
 def test_rng_copy_outside_the_stretch_peak() -> None:
     """The counter-example to adding the copy at every rc event: here the rc stretch peaks in the loss's backward,
-    before the recomputation starts; exact today, and must stay so when the copy is modelled.
+    before the recomputation starts; must stay exact.
 
     Measured 2026-11-26 (the tracker on the planned real step, ``torch.get_rng_state`` registered): the real peak,
     235,464 B, is in the loss's backward; ``body``'s recomputation starts at 186,312 B live, the fork_rng copy
     brings it to 191,368 and the one op it really recomputes to 207,752. The model's rc value for ``body``,
     235,464 without the copy, is the base at ``body``'s backward start (197,640) with every discarded tensor
     back plus the transient (32,768): a selective recomputation that takes cached ops from the cache
-    re-materialises less than that. Adding the copy there (tried again, in evaluate.event_peaks and the solver's
-    rc rows) turns this plan 5,056 B over while three of the RNG tests above then pass: the copy needs an rc value
-    that is the recomputation's own."""
+    re-materialises less than that. No region draws random numbers, so no region keeps the state or copies it
+    (the test above); for one that does, sacplan/evaluate.py ``rng_copy_bytes`` adds the copy at its rc events,
+    where a stretch like this one's comes out over by at most the copy, never under."""
     assert_exact(ModelSpec(layers=(Layer("linear"),) * 3, dim=64, seq=32), 0.0)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3])
+def test_recomputation_with_dropout_copies_the_rng_state(fraction: float) -> None:
+    """Attention with dropout (the CPU math path: ``bernoulli_`` in the region) must replay its random numbers, so
+    its region keeps the RNG state and its recomputation holds ``fork_rng``'s copy: without the copy in the model
+    the planned peak was +5,056 B (+6.1%) at fraction 0 and +3,008 B (+3.6%) at 0.3. Fixed in
+    sacplan/evaluate.py ``rng_copy_bytes`` (evaluation and solver)."""
+    assert_exact(ModelSpec(layers=(Layer("attention", dropout=0.25),), dim=32, seq=16), fraction)
 
 
 # ------------------------------------------------------------------------------------------ in place (issue 24.1)
 # Before main's in-place safety rule (issue 24.1) these gave an autograd error or wrong gradients; since it, the
-# gradients are bitwise, and three still fail on the peak alone: +5,056 B, the RNG-state copy above (the peak lies
-# in the recomputation there).
-@pytest.mark.xfail(strict=True, reason=RNG_COPY)
+# gradients are bitwise; three then failed on the peak alone (+5,056 B: the RNG-state copy, fixed above).
 def test_inplace_silu_module_alone() -> None:
     """``Linear`` → ``SiLU(inplace=True)`` three times: each activation module mutates its own input (was: "one of
     the variables needed for gradient computation has been modified by an inplace operation")."""
     assert_exact(ModelSpec(layers=(Layer("linear", act="silu", inplace=True),) * 3, dim=64, seq=32), 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason=RNG_COPY)
 def test_inplace_hardswish_module_alone() -> None:
     """``Linear`` → ``Hardswish(inplace=True)``, then a ``Linear`` (was: autograd's in-place error)."""
     assert_exact(ModelSpec(layers=(Layer("linear", act="hardswish", inplace=True), Layer("linear")), dim=64, seq=32), 0.0)
@@ -111,7 +110,6 @@ def test_inplace_functional_silu_after_linear() -> None:
     assert_exact(ModelSpec(layers=(Layer("mlp", act="silu", inplace=True),) * 2, dim=64, seq=32), 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason=RNG_COPY)
 def test_inplace_arithmetic_on_a_saved_output() -> None:
     """``h = fc(x); h += x; h *= gain`` (``gain`` a parameter) in one region: the plan saved ``addmm`` / ``add_``
     outputs that later ops of the region mutate in place (gradients differed by up to 6e-3 before issue 24.1's
@@ -187,7 +185,6 @@ def test_rmsnorm_then_inplace_saved_mutations_peak() -> None:
     assert_exact(spec, 0.2)
 
 
-@pytest.mark.xfail(strict=True, reason=RNG_COPY)
 def test_inplace_silu_after_custom_function_peak() -> None:
     """The one failure in 500 random examples of the checked grammar (no shrinking; time ran out): a ModuleDict of
     a custom ``autograd.Function`` block and ``Linear`` → ``SiLU(inplace=True)``, then ``Linear`` →
