@@ -114,6 +114,11 @@ class OpStat:
         tied_to: indices of the ops whose save decision this op must share because it reads a storage that an
             in-place op overwrites later in the forward (``-1``: it must always be saved); see
             :mod:`sacplan.collector.mutations`. Empty for stats from older versions.
+        output_kept_outside: this op makes (part of) the module's output, which only later modules' backwards
+            read (they saved it), none inside the module: the unplanned step frees it once those backwards are
+            done, before this module's backward; a selective cache holding it would keep it through this module's
+            recomputation and backward. Such an op is never saved (:mod:`sacplan.opgroups`). False in stats from
+            older versions.
     """
 
     index: int
@@ -130,6 +135,7 @@ class OpStat:
     save_cost_bytes: int = 0
     below_peak_bytes: int | None = None
     tied_to: tuple[int, ...] = ()
+    output_kept_outside: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

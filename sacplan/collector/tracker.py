@@ -87,6 +87,8 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         # forward ops
         self.ops: list[OpRecord] = []
         self.packed_sids: set[int] = set()  # storage keys of the tensors autograd saved
+        #: per storage key, ``len(self.ops)`` at each forward pack of it (the op that saved it is the one before)
+        self.packed_at: dict[int, list[int]] = {}
         # totals
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
@@ -186,9 +188,10 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
                 key = self.storage_key(t.untyped_storage())
             except (RuntimeError, NotImplementedError):
                 key = None
+            n = len(self.ops)
             if key is not None:
                 self.packed_sids.add(key)
-            n = len(self.ops)
+                self.packed_at.setdefault(key, []).append(n)
             for rec in self.fw_stack:
                 rec.last_pack = n
         return t
