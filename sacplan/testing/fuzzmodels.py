@@ -32,6 +32,7 @@ hypothesis (whose picks shrink: the first option and the lower bound are the sim
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
@@ -160,6 +161,7 @@ class Grammar:
         norm_options: ``norm`` variants (0 LayerNorm, 1 RMSNorm, 2 BatchNorm1d).
         max_layers: layers of the body (at least 1).
         max_depth: container nesting.
+        inplace_in_residual: activations inside a ``residual`` container may run in place (False: only outside).
     """
 
     kinds: tuple[str, ...] = LEAF_KINDS
@@ -169,6 +171,7 @@ class Grammar:
     norm_options: tuple[int, ...] = (0, 1, 2)
     max_layers: int = 5
     max_depth: int = 2
+    inplace_in_residual: bool = True
 
 
 #: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: everything, less the
@@ -179,6 +182,10 @@ class Grammar:
 #: * ``F.mse_loss``: its CPU kernel returns a 0-d view of the unreduced loss (test_mse_loss_output_storage).
 #: * BatchNorm1d as a ``norm`` layer: in a region with it, a saved ``addmm`` after it runs again on recomputation
 #:   (recomputed FLOPs over the plan's; test_*_recomputes_a_saved_matmul).
+#: * an activation run in place inside a ``residual`` container: on real CPU tensors the in-place op on a Linear's
+#:   3-D output (a view) gives the view an ``AsStridedBackward0``, which allocates a base-sized gradient while the
+#:   residual branch still holds the incoming one; the fake step's views replay as ``ViewBackward0`` (an alias), so
+#:   that segment is recorded one activation low (test_inplace_activation_in_a_residual_branch).
 #: Model sizes (draw_spec) put peaks near 1 MiB and up. The 5,056-byte RNG-state copy a recomputation makes is in
 #: the memory model (none for regions without random ops; test_recomputation_*_rng_state pin it at small sizes, where
 #: it shows); where a region with dropout has its rc stretch peak before its recomputation, the copy is over-counted
@@ -187,6 +194,7 @@ CHECKED = Grammar(
     conv_acts=("relu",),
     losses=("square", "mean"),
     norm_options=(0, 1),
+    inplace_in_residual=False,
 )
 
 
@@ -195,7 +203,10 @@ def draw_layer(pick: Picker, dim: int, depth: int, grammar: Grammar = Grammar())
     kind = pick.choice(grammar.kinds + (CONTAINER_KINDS if depth > 0 else ()))
     if kind in CONTAINER_KINDS:
         n = pick.integer(1, 3)
-        return Layer(kind, children=tuple(draw_layer(pick, dim, depth - 1, grammar) for _ in range(n)))
+        inner = grammar
+        if kind == "residual" and not grammar.inplace_in_residual:
+            inner = dataclasses.replace(grammar, inplace_acts=())
+        return Layer(kind, children=tuple(draw_layer(pick, dim, depth - 1, inner) for _ in range(n)))
     heads = pick.choice([h for h in (1, 2, 4) if dim % (2 * h) == 0])
     kv = pick.choice([k for k in (1, 2, 4) if heads % k == 0])
     act = pick.choice(grammar.conv_acts if kind in ("conv1d", "conv2d") else ACTIVATIONS)
