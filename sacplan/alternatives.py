@@ -106,6 +106,7 @@ def plan_from_choices(tree: ModuleTree, choices: Mapping[str, Choice], label: st
                 recompute_flops=out.recompute_flops,
                 saved_ops=saved,
                 calls=ms.calls,
+                preserve_rng_state=ms.draws_random,
             )
         )
     return Plan(

@@ -166,17 +166,23 @@ CPU = DeviceSpec(
 )
 
 
-def checkpoint_state_bytes(spec: DeviceSpec) -> int:
+def checkpoint_state_bytes(spec: DeviceSpec, draws_random: bool = True) -> int:
     """Bytes of *target-device* memory each checkpointed call keeps from its forward to its backward besides
-    its saved tensors.
+    its saved tensors: the RNG state stashed for a region that draws random numbers (``draws_random``,
+    :attr:`~sacplan.stats.ModuleStats.draws_random`), 0 for one that draws none.
 
-    ``torch.utils.checkpoint`` (``preserve_rng_state=True``, the default) stashes the CPU generator's state,
+    ``torch.utils.checkpoint`` with ``preserve_rng_state=True`` (its default) stashes the CPU generator's state,
     ``torch.get_rng_state()`` (5,056 bytes for the Mersenne Twister), per checkpointed call; a CUDA
     device's generator state is stashed in host memory too. So this is that size when the target is the host
     CPU (spec name ``"CPU"``) and 0 for a GPU target. Measured: every checkpointed region of a CPU step
     discarded exactly 5,056 bytes less than its saved tensors.
+
+    The rule that makes the state optional: a region whose forward draws no random numbers recomputes the same
+    values whatever the generator's state, so ``apply`` checkpoints it with ``preserve_rng_state=False`` (no
+    stash at the forward, and no ``fork_rng`` copy of the state while it is recomputed) and its gradients are
+    unchanged; a region that draws some keeps the default (the plan's ``ModuleDecision.preserve_rng_state``).
     """
-    if spec.name != "CPU":
+    if spec.name != "CPU" or not draws_random:
         return 0
     import torch
 

@@ -110,6 +110,21 @@ def _raw_kept(stats: ModuleStats) -> list[int]:
     return [a + mandatory if a > 0 else 0 for a in stats.act_bytes]
 
 
+def rng_copy_bytes(tree: ModuleTree, fqn: str) -> int:
+    """Bytes checkpointed module ``fqn`` adds at its rc events besides its recompute transient: the RNG state
+    ``torch.utils.checkpoint`` copies (``torch.random.fork_rng``) for the length of a recomputation that replays
+    the forward's random numbers, :func:`~sacplan.devices.checkpoint_state_bytes` of the target (0 for a region
+    that draws none, which keeps no state, and on a GPU target).
+
+    Added on top of the rc event's value, which bounds the recomputation from above (every discarded tensor back
+    plus the transient) but also covers the stretch before it (the backward that precedes the recomputation): where
+    that stretch holds the event's peak, the copy is counted where it does not overlap (an over-prediction of at
+    most these bytes, never an under-prediction). The solver adds the same bytes
+    (:class:`~sacplan.solver.problem.SacProblem`).
+    """
+    return checkpoint_state_bytes(tree.stats.device, tree.node(fqn).stats.draws_random)
+
+
 def event_peaks(
     tree: ModuleTree,
     discards: Mapping[str, Sequence[int]],
@@ -121,20 +136,22 @@ def event_peaks(
     ``discards`` (fqn → bytes per call), rounded up to whole bytes.
 
     Every module in ``discards`` is checkpointed: each of its calls also keeps
-    :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU)
+    :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU and the
+    module draws random numbers)
     and its :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs the checkpoint holds), from its forward
     to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`); at its rc events the
     recompute transient (``extra_bytes``) plus ``surges[fqn]`` (bytes a selective recomputation peaks above
-    the forward, :attr:`ModuleOutcome.surge_bytes`). ``timeline``: ``Timeline.of(tree.stats, world_size)`` when
+    the forward, :attr:`ModuleOutcome.surge_bytes`) plus, for a region that keeps the RNG state, the copy of it
+    ``torch.random.fork_rng`` holds while the region is recomputed (:func:`rng_copy_bytes`). ``timeline``: ``Timeline.of(tree.stats, world_size)`` when
     the caller has it already.
     """
     tl = Timeline.of(tree.stats, world_size) if timeline is None else timeline
     surges = surges or {}
-    ck = checkpoint_state_bytes(tree.stats.device)  # kept per checkpointed call besides saved tensors (CPU target)
 
     def kept(fqn: str, call: int) -> int:
-        held = tree.node(fqn).stats.held_input_bytes
-        return ck + (held[call] if call < len(held) else 0)
+        st = tree.node(fqn).stats
+        held = st.held_input_bytes
+        return checkpoint_state_bytes(tree.stats.device, st.draws_random) + (held[call] if call < len(held) else 0)
 
     def freed(entries: Sequence[tuple[str, int]]) -> np.ndarray:
         out = np.zeros(len(entries))
@@ -148,7 +165,7 @@ def event_peaks(
     added = tl.held(bw_kept)
     for i, (ph, fqn) in enumerate(zip(tl.phase, tl.module)):
         if ph == RC and fqn in discards:
-            added[i] += tl.extra[i] + surges.get(fqn, 0)
+            added[i] += tl.extra[i] + surges.get(fqn, 0) + rng_copy_bytes(tree, fqn)
     return [int(math.ceil(m - 1e-6)) for m in tl.peaks(freed(tl.fw_entries), freed(tl.bw_entries), added)]
 
 

@@ -48,6 +48,24 @@ def is_random_op(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
+def attention_dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` argument of an op call (0.0 when its schema has none): an attention kernel draws random
+    numbers exactly when it is above 0."""
+    if "dropout_p" in kwargs:
+        return float(kwargs["dropout_p"])
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p" and i < len(args):
+            return float(args[i])
+    return 0.0
+
+
+def draws_random_numbers(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of ``func`` draws from the RNG: a random op, or an attention kernel called with dropout."""
+    if is_attention(str(func)):
+        return attention_dropout_p(func, args, kwargs) > 0
+    return is_random_op(func)
+
+
 def is_inplace_op(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 

@@ -77,6 +77,12 @@ class ModuleDecision:
             ``discard_ratio == 1``, otherwise a ratio-only decision (``op_level=False``) that ``apply``
             realises itself.
         calls: forward calls of the module per step.
+        preserve_rng_state: the region draws random numbers (:attr:`~sacplan.stats.ModuleStats.draws_random`), so
+            ``apply`` checkpoints it with ``torch.utils.checkpoint``'s ``preserve_rng_state=True`` (recomputation
+            replays the forward's random numbers; the state is stashed per call). False: it draws none, the
+            region keeps no RNG state (nothing to replay: the same gradients, see
+            :func:`~sacplan.devices.checkpoint_state_bytes`), and a forward that draws random numbers after all
+            is refused. Plans without the field read as True.
     """
 
     fqn: str
@@ -86,6 +92,7 @@ class ModuleDecision:
     recompute_flops: int = 0
     saved_ops: tuple[tuple[int, str, int], ...] | None = None
     calls: int = 1
+    preserve_rng_state: bool = True
 
     @property
     def full_checkpoint(self) -> bool:
@@ -101,6 +108,7 @@ class ModuleDecision:
             "recompute_flops": self.recompute_flops,
             "saved_ops": None if self.saved_ops is None else [list(op) for op in self.saved_ops],
             "calls": self.calls,
+            "preserve_rng_state": self.preserve_rng_state,
         }
 
     @classmethod
@@ -115,6 +123,7 @@ class ModuleDecision:
                 recompute_flops=int(d.get("recompute_flops", 0)),
                 saved_ops=None if ops is None else tuple((int(i), str(n), int(o)) for i, n, o in ops),
                 calls=int(d.get("calls", 1)),
+                preserve_rng_state=bool(d.get("preserve_rng_state", True)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"invalid module decision {dict(d)!r}: {e}") from e

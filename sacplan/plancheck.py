@@ -16,7 +16,8 @@ from sacplan.fqns import inside
 
 #: Keys of one decision object and of the plan object (``Plan.to_dict``); any other key is refused (typos).
 DECISION_KEYS = frozenset(
-    {"fqn", "checkpoint", "discard_ratio", "discard_bytes", "recompute_ms", "recompute_flops", "saved_ops", "calls"}
+    {"fqn", "checkpoint", "discard_ratio", "discard_bytes", "recompute_ms", "recompute_flops", "saved_ops", "calls",
+     "preserve_rng_state"}
 )
 PLAN_KEYS = frozenset(
     {
@@ -120,8 +121,9 @@ def check_decisions(decisions: Any, resolve: Callable[[str], bool]) -> None:
         for key in ("discard_ratio", "discard_bytes", "recompute_ms"):
             if key not in d:
                 raise PlanError(f"field {w}.{key} is missing")
-        if not isinstance(d.get("checkpoint", True), bool):
-            raise PlanError(f"field {w}.checkpoint must be true or false, got {_short(d['checkpoint'])}")
+        for key in ("checkpoint", "preserve_rng_state"):
+            if not isinstance(d.get(key, True), bool):
+                raise PlanError(f"field {w}.{key} must be true or false, got {_short(d[key])}")
         _float(f"{w}.discard_ratio", d["discard_ratio"], lambda x: 0.0 <= x <= 1.0, "a number in [0, 1]")
         _int(f"{w}.discard_bytes", d["discard_bytes"], 0)
         _finite_nonneg(f"{w}.recompute_ms", d["recompute_ms"])

@@ -115,6 +115,11 @@ class OpStat:
         tied_to: indices of the ops whose save decision this op must share because it reads a storage that an
             in-place op overwrites later in the forward (``-1``: it must always be saved); see
             :mod:`sacplan.collector.mutations`. Empty for stats from older versions.
+        output_kept_outside: this op makes (part of) the module's output, which only later modules' backwards
+            read (they saved it), none inside the module: the unplanned step frees it once those backwards are
+            done, before this module's backward; a selective cache holding it would keep it through this module's
+            recomputation and backward. Such an op is never saved (:mod:`sacplan.opgroups`). False in stats from
+            older versions.
     """
 
     index: int
@@ -131,6 +136,7 @@ class OpStat:
     save_cost_bytes: int = 0
     below_peak_bytes: int | None = None
     tied_to: tuple[int, ...] = ()
+    output_kept_outside: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -258,6 +264,18 @@ class ModuleStats:
     tradeoff: TradeOff | None = None
     held_input_bytes: tuple[int, ...] = ()
     input_external_bytes: int = 0
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether a call's forward draws random numbers (an op with :attr:`OpStat.is_random`: dropout, attention
+        with dropout, ``rand*``), so that recomputing it must replay the forward's random state. True when no ops
+        were recorded (unknown: assume it does).
+
+        A checkpointed region that draws none needs no RNG state: ``apply`` checkpoints it with
+        ``preserve_rng_state=False`` and the memory model keeps no stashed state for it
+        (:func:`~sacplan.devices.checkpoint_state_bytes`).
+        """
+        return not self.ops or any(o.is_random for o in self.ops)
 
     @property
     def total_act_bytes(self) -> int:

@@ -136,9 +136,13 @@ class _PlannedForward:
     """
 
     def __init__(
-        self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool, fused_dropout: bool
+        self, module: nn.Module, saved: frozenset[tuple[str, int]], save_random: bool, mutation: bool, fused_dropout: bool,
+        preserve_rng_state: bool = True, fqn: str = "",
     ) -> None:
         self.module = module
+        #: the plan's ``ModuleDecision.preserve_rng_state`` (eager steps; compiled regions keep torch's default)
+        self.preserve_rng_state = preserve_rng_state
+        self.fqn = fqn
         self.saved = saved
         self.save_random = save_random
         self.mutation = mutation
@@ -149,8 +153,11 @@ class _PlannedForward:
         # anyway (its backward raises autograd's version error for any input written in the region, with or
         # without the selective mode). The mode's Python dispatch on every op of the forward and the
         # recomputation costs 23-119 us per op per pass on a real GPU (benchmarks/RESULTS.md). Same tensors
-        # saved, same recomputation: the same bytes and bitwise the same gradients.
+        # saved, same recomputation: the same bytes and bitwise the same gradients. A region planned without RNG
+        # state (``preserve_rng_state=False``) runs its first call under the policy, which refuses a random op
+        # there (``checked``: that call has run), and plain afterwards.
         self.full = not (saved or save_random or mutation)
+        self.checked = False
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature sees the module's own forward
@@ -172,6 +179,7 @@ class _PlannedForward:
             return checkpoint(bound, *args, use_reentrant=False, context_fn=ctx, **kwargs)
         outside = outside_ptrs(module, args, kwargs)
         saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
+        rng, fqn = getattr(self, "preserve_rng_state", True), getattr(self, "fqn", "")  # pickled before the field
         # Hand checkpoint each distinct tensor once and rebuild the arguments from them: with saved-tensor
         # hooks active (offloading, a memory tracker) recomputation gets a new tensor object per saved input,
         # and a forward that branches on identity (nn.MultiheadAttention's ``query is key``) must see the
@@ -196,20 +204,28 @@ class _PlannedForward:
 
         def context_fn() -> Any:
             return create_selective_checkpoint_contexts(
-                make_policy(saved, save_random, outside, fused_dropout=fused_dropout),
+                make_policy(saved, save_random, outside, fused_dropout=fused_dropout, no_rng_state=not rng, region=fqn),
                 allow_cache_entry_mutation=mutation or bool(outside),
             )
 
-        if self.full and next(module.buffers(), None) is None:
-            return checkpoint(run, *unique, use_reentrant=False)
-        return checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn)
+        # A region that draws no random numbers needs no RNG state: no stash at the forward, no fork_rng copy while
+        # recomputing (sacplan.devices.checkpoint_state_bytes); the policy refuses a random op there, so such a
+        # region's first call runs the policy even when it is full (see ``self.full``).
+        if getattr(self, "full", False) and (rng or getattr(self, "checked", False)) and next(module.buffers(), None) is None:
+            return checkpoint(run, *unique, use_reentrant=False, preserve_rng_state=rng)
+        out = checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn, preserve_rng_state=rng)
+        self.checked = True
+        return out
 
 
 def _wrap(module: nn.Module, decision: Any, fused_dropout: bool = False) -> None:
     _unwrap(module)  # a module named twice (or shared under two names) is wrapped once, by its last decision
     orig = module.__dict__.get("forward", None)
     module.__dict__[_ORIG] = orig
-    module.forward = _PlannedForward(module, *policy_settings(decision, fused_dropout))  # type: ignore[method-assign]
+    module.forward = _PlannedForward(  # type: ignore[method-assign]
+        module, *policy_settings(decision, fused_dropout), bool(getattr(decision, "preserve_rng_state", True)),
+        str(getattr(decision, "fqn", "")),
+    )
 
 
 def _unwrap(module: nn.Module) -> None:

@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
-from sacplan.opnames import RANDOM, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
+from sacplan.errors import PlanMismatchError
+from sacplan.opnames import RANDOM, draws_random_numbers, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
 
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 #: Non-random ops of eager ``dropout`` on a device without a fused kernel (CPU): ``empty_like``, ``bernoulli_``
@@ -39,6 +40,8 @@ def make_policy(
     *,
     compiled: bool = False,
     fused_dropout: bool = False,
+    no_rng_state: bool = False,
+    region: str = "",
 ) -> Callable[..., CheckpointPolicy]:
     """A fresh SAC policy function that saves ops whose ``(family, occurrence)`` is in ``saved``.
 
@@ -52,6 +55,11 @@ def make_policy(
     see :mod:`sacplan.collector.kernels`). Eager dropout on a CPU host then decomposes into ``empty_like``,
     ``bernoulli_``, ``div_``, ``mul``: the three non-random companions are not counted and follow the random
     decision, so every other op keeps the plan's occurrence numbers.
+    ``no_rng_state``: the region (module ``region``) is checkpointed with ``preserve_rng_state=False`` because
+    the collected step drew no random numbers in it (the plan's ``preserve_rng_state``); a forward op that
+    draws some after all (dropout turned on since, a module in eval mode when collected) raises
+    :class:`~sacplan.errors.PlanMismatchError`, as its recomputation would replay other random numbers and
+    change the gradients silently.
     The occurrence counters live in the returned closure, so call this once per forward invocation.
     """
     counters: dict[tuple[bool, str], int] = {}
@@ -62,6 +70,12 @@ def make_policy(
         rnd = is_random_op(func)
         fam = family(str(func), rnd)
         recompute = bool(getattr(ctx, "is_recompute", False))
+        if no_rng_state and not recompute and draws_random_numbers(func, args, kwargs):
+            raise PlanMismatchError(
+                f"checkpointed module {region!r} draws random numbers ({func}) where the step the plan was made from "
+                "drew none (was the model collected in eval mode, or with dropout 0?); without the RNG state its "
+                "recomputation would replay other numbers. Re-plan from a step that runs as this one does."
+            )
         if fused_dropout and not compiled:
             companion = _dropout_companion(func, args, recompute, noise, pending, counters)
             if companion is not None:

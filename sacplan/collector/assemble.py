@@ -50,16 +50,24 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...
             cost = sum(b for s, b in zip(o.out_sids, o.out_new) if s not in out_sids)
         else:
             cost = o.new_bytes
+        mine = [s for s, b in zip(o.out_sids, o.out_new) if s in out_sids and b > 0]  # output storages it makes
+        outside = bool(mine) and all(s in packed and not _packed_inside(recorder, s, rec) for s in mine)
         result.append(
             OpStat(
                 index=k, name=name, occurrence=occ, out_bytes=o.new_bytes, runtime_ms=o.ms, flops=o.flops,
                 is_view=o.is_view, is_random=o.is_random, inplace_of=parent, saved_by_autograd=saved,
                 is_output=is_out, save_cost_bytes=cost if not o.is_view else 0,
                 below_peak_bytes=max(0, peak - o.live), tied_to=ties[k] if k < len(ties) else (),
+                output_kept_outside=outside,
             )
         )
     stop = max(0, rec.last_pack - rec.op_start) if rec.last_pack >= 0 else 0
     return tuple(result), min(stop, len(result))
+
+
+def _packed_inside(recorder: StepRecorder, sid: int, rec: CallRecord) -> bool:
+    """Whether an op of call ``rec`` saved storage ``sid`` for its backward (a pack while its ops ran)."""
+    return any(rec.op_start < n <= rec.op_end for n in recorder.packed_at.get(sid, ()))
 
 
 def _call_ties(recs: list[CallRecord], recorder: StepRecorder, writes: StorageWrites) -> list[list[tuple[int, ...]]]:

@@ -30,6 +30,7 @@ from sacplan.collector.runtime import RuntimeModel, op_flops
 from sacplan.collector.storage import storages_of
 from sacplan.collector.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
+from sacplan.opnames import attention_dropout_p
 
 try:  # torch >= 2.4
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
@@ -86,6 +87,8 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         # forward ops
         self.ops: list[OpRecord] = []
         self.packed_sids: set[int] = set()  # storage keys of the tensors autograd saved
+        #: per storage key, ``len(self.ops)`` at each forward pack of it (the op that saved it is the one before)
+        self.packed_at: dict[int, list[int]] = {}
         # totals
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
@@ -169,7 +172,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         is_random = torch.Tag.nondeterministic_seeded in func.tags
         if func._overloadpacket in _ATTENTION_PACKETS:
             # SDPA kernels carry the seeded tag; they are random only when called with dropout.
-            is_random = self.next_sdpa_random or _dropout_arg(func, args, kwargs) > 0
+            is_random = self.next_sdpa_random or attention_dropout_p(func, args, kwargs) > 0
             self.next_sdpa_random = False
         parent = None
         if is_inplace:
@@ -185,9 +188,10 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
                 key = self.storage_key(t.untyped_storage())
             except (RuntimeError, NotImplementedError):
                 key = None
+            n = len(self.ops)
             if key is not None:
                 self.packed_sids.add(key)
-            n = len(self.ops)
+                self.packed_at.setdefault(key, []).append(n)
             for rec in self.fw_stack:
                 rec.last_pack = n
         return t
@@ -253,11 +257,3 @@ _ATTENTION_PACKETS = {
     aten._scaled_dot_product_cudnn_attention,
 }
 
-
-def _dropout_arg(func: Any, args: tuple, kwargs: dict) -> float:
-    if "dropout_p" in kwargs:
-        return float(kwargs["dropout_p"])
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p" and i < len(args):
-            return float(args[i])
-    return 0.0

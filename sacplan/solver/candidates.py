@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sacplan.devices import checkpoint_state_bytes
 from sacplan.errors import ConfigError
 from sacplan.solver.ops import fractional_lines
 from sacplan.stats import ModuleStats
@@ -57,7 +58,7 @@ class Candidate:
 
 
 def select_candidates(
-    tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None, ck_overhead: float
+    tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None
 ) -> tuple[list[Candidate], list[str]]:
     """The modules the MILP may checkpoint, in pre-order (slot = position), and notes on named ``ac_units`` that
     cannot be (each a warning for the user).
@@ -66,15 +67,16 @@ def select_candidates(
         tree: the collected module tree.
         ac_units: allowed checkpoint units (None: every eligible module except the root).
         fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
-        ck_overhead: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a
-            CPU target).
+
+    Each checkpointed call keeps :func:`~sacplan.devices.checkpoint_state_bytes` of the tree's target device
+    (the stashed RNG state, for a region that draws random numbers) besides its saved tensors.
     """
     if isinstance(ac_units, str) or isinstance(fsdp_units, str):
         raise ConfigError("ac_units / fsdp_units must be lists of module names, not a single string")
     post_calls: dict[str, int] = {}
     for f in tree.stats.fw_post_order:
         post_calls[f] = post_calls.get(f, 0) + 1
-    chosen, overheads, notes = _eligible(tree, ac_units, fsdp_units, ck_overhead, post_calls)
+    chosen, overheads, notes = _eligible(tree, ac_units, fsdp_units, post_calls)
     parents, has_child = _nesting(tree, chosen)
     out = []
     for s, ni in enumerate(chosen):
@@ -111,8 +113,7 @@ def select_candidates(
 
 
 def _eligible(
-    tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None, ck_overhead: float,
-    post_calls: dict[str, int],
+    tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None, post_calls: dict[str, int],
 ) -> tuple[list[int], dict[int, tuple[tuple[float, ...], float]], list[str]]:
     """(node indices that may be checkpoint units in pre-order, their per-call overheads and minimum ratios, notes
     on named ``ac_units`` that cannot be)."""
@@ -146,7 +147,8 @@ def _eligible(
             if named is not None:
                 notes.append(f"ac unit {n.fqn!r} has no discardable activations and is skipped")
             continue
-        overheads[n.index] = _overheads(n.stats, post_calls[n.fqn], ck_overhead)
+        ck = float(checkpoint_state_bytes(tree.stats.device, n.stats.draws_random))
+        overheads[n.index] = _overheads(n.stats, post_calls[n.fqn], ck)
         if overheads[n.index][1] > 1.0:
             if named is not None:
                 notes.append(
@@ -175,8 +177,8 @@ def _nesting(tree: ModuleTree, chosen: list[int]) -> tuple[list[int], list[bool]
 
 
 def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[float, ...], float]:
-    """Per call, the bytes checkpointing keeps besides saved tensors (stashed RNG state on a CPU target,
-    :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and the smallest discard ratio at which every call
+    """Per call, the bytes checkpointing keeps besides saved tensors (``ck_overhead``: the stashed RNG state,
+    :func:`~sacplan.devices.checkpoint_state_bytes`; :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and the smallest discard ratio at which every call
     frees at least that much.
 
     Checkpointing a call that keeps more than it frees only adds bytes, so only ratios at or above that

@@ -39,7 +39,9 @@ were ~16% loose on a Llama block). For a class of identical sequential blocks, `
 for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solver.problem.SacProblem.sequential`: valid, it
 only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
 Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
-checkpoint stashes, host-CPU targets only): the running sums use ``A·r - o·y``, and an rc event adds ``o``.
+checkpoint stashes, host-CPU targets and regions that draw random numbers only): the running sums use
+``A·r - o·y``, and an rc event adds ``o``; a region that keeps the RNG state also adds, at its rc events, the
+copy of it its recomputation holds (:func:`~sacplan.evaluate.rng_copy_bytes`, part of ``extra_e``).
 
 Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
 (same or fewer discards, same or larger need) is dropped too (:func:`_select_events`), and trade-off lines never

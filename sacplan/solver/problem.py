@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sacplan.devices import checkpoint_state_bytes
+from sacplan.evaluate import rng_copy_bytes
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.candidates import Candidate, relaxed_candidate, select_candidates
 from sacplan.solver.ops import ModuleOptions, module_options
@@ -57,10 +57,8 @@ class SacProblem:
         #: the step's memory timeline for ``world_size`` ranks: sacplan's one memory model (:mod:`sacplan.timeline`)
         self.timeline = Timeline.of(stats, world_size)
         self.world_size = self.timeline.world_size
-        #: bytes each checkpointed call keeps besides its saved tensors (the stashed RNG state on a CPU target)
-        self.ck_overhead = float(checkpoint_state_bytes(stats.device))
         #: candidates in pre-order (slot = index), and warnings about named ``ac_units`` that cannot be checkpointed
-        self.candidates, self.notes = select_candidates(tree, ac_units, fsdp_units, self.ck_overhead)
+        self.candidates, self.notes = select_candidates(tree, ac_units, fsdp_units)
         if relax:  # lower-bound mode: each module's cost is the LP relaxation of its op-level knapsack
             self.exact = False
             self.candidates = [relaxed_candidate(tree, c) for c in self.candidates]
@@ -92,7 +90,7 @@ class SacProblem:
                     pos.append(k)
                     slots.append(cand.slot)
                     amts.append(float(cand.act_bytes[c]))
-                    over.append(float(cand.overhead_bytes[c]) if c < len(cand.overhead_bytes) else self.ck_overhead)
+                    over.append(float(cand.overhead_bytes[c]))  # one per call (select_candidates)
                     kc.append(kc[-1] + 1)
                 else:
                     kc.append(kc[-1])
@@ -121,7 +119,8 @@ class SacProblem:
             active[i].append(p)
         # What checkpointing a slot adds at an event, as sparse (event, slot, bytes) triples: the overhead of each
         # call inside its backward there (held until that backward ends) and, at a call's rc event, its
-        # recompute transient.
+        # recompute transient and the RNG-state copy its recomputation holds (sacplan.evaluate.rng_copy_bytes).
+        copy = [float(rng_copy_bytes(self.tree, c.fqn)) for c in self.candidates]
         t_ev: list[int] = []
         t_slot: list[int] = []
         t_coef: list[float] = []
@@ -139,8 +138,8 @@ class SacProblem:
                             sl = int(self.bw_slot[q])
                             terms[sl] = terms.get(sl, 0.0) + float(self.bw_over[q])
                 s = slot_by_fqn.get(tl.module[i], -1) if ph == RC else -1
-                if s >= 0 and tl.extra[i] > 0:
-                    terms[s] = terms.get(s, 0.0) + float(tl.extra[i])
+                if s >= 0 and tl.extra[i] + copy[s] > 0:
+                    terms[s] = terms.get(s, 0.0) + float(tl.extra[i]) + copy[s]
                 if s >= 0 and max(self.surge(s), default=0) > 0:
                     self.ev_surge[i] = s
                     terms[s] = terms.get(s, 0.0)  # an rc row even where the full recomputation adds nothing
@@ -351,7 +350,7 @@ class SacProblem:
 
         ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
         checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
-        recompute transient at its rc events). Both are the timeline's own :meth:`~sacplan.timeline.Timeline.freed`
+        recompute transient and RNG-state copy at its rc events). Both are the timeline's own :meth:`~sacplan.timeline.Timeline.freed`
         of one column per candidate. Memoised."""
         if getattr(self, "_lin", None) is None:
             tl, nc = self.timeline, self.num_candidates

@@ -88,6 +88,7 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
             recompute_flops=c.calls * int(t.full_recompute_flops),
             saved_ops=forced_saves(st.ops, st.recompute_stop),
             calls=c.calls,
+            preserve_rng_state=st.draws_random,
         )
     if sel is not None:
         discard = A - sel.saved_bytes  # >= A·ratio by the byte budget of the selection
@@ -100,6 +101,7 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
             recompute_flops=c.calls * sel.recompute_flops,
             saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
             calls=c.calls,
+            preserve_rng_state=st.draws_random,
         )
     # ratio-only decision: whole bytes, rounded up
     discard = int(math.ceil(ratio * A))
@@ -112,4 +114,5 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
         recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real)))),
         saved_ops=forced_saves(st.ops, st.recompute_stop),
         calls=c.calls,
+        preserve_rng_state=st.draws_random,
     )

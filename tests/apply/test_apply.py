@@ -144,3 +144,33 @@ def test_kv_cache_on_is_refused(llama_setup):
         apply_plan(model, plan)
     model.disable_kv_cache()
     apply_plan(model, plan)
+
+
+def test_rng_state_kept_only_by_regions_that_draw_random_numbers(llama_setup):
+    """A region without random ops is checkpointed with ``preserve_rng_state=False`` (no stashed state, no copy
+    while recomputing; sacplan.devices.checkpoint_state_bytes); one with dropout keeps it. A plan made from a step
+    without dropout, applied where the region draws random numbers after all, is refused at the first random op
+    rather than replaying other random numbers."""
+    from sacplan.collector import collect
+    from sacplan.devices import CPU
+    from sacplan.plan import ModuleDecision
+    from sacplan.tree import ModuleTree
+
+    from .conftest import llama_factory
+
+    _, inputs_fn, loss_fn, tree = llama_setup  # dropout 0.1
+    plan = solve(tree, int(tree.stats.peak_bytes * 0.7))
+    assert any(d.preserve_rng_state for d in plan.decisions)
+    assert all(d.preserve_rng_state == tree.node(d.fqn).stats.draws_random for d in plan.decisions)
+    torch.manual_seed(0)
+    tree0 = ModuleTree(collect(llama_factory(dropout=0.0), inputs_fn(), device=CPU, loss_fn=loss_fn))
+    plan0 = solve(tree0, int(tree0.stats.peak_bytes * 0.7))
+    assert plan0.decisions and not any(d.preserve_rng_state for d in plan0.decisions)
+    d = plan0.decisions[0]
+    assert ModuleDecision.from_dict(d.to_dict()) == d
+    old = {k: v for k, v in d.to_dict().items() if k != "preserve_rng_state"}  # a plan written before the field
+    assert ModuleDecision.from_dict(old).preserve_rng_state is True
+    args = inputs_fn()
+    model = apply_plan(llama_factory(dropout=0.1)(), plan0)
+    with pytest.raises(PlanMismatchError, match="draws random numbers"):
+        loss_fn(model(*args), args).backward()

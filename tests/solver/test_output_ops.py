@@ -111,3 +111,16 @@ def test_full_checkpoints_recompute_what_they_predict() -> None:
     assert sdpa_flops > 0 and report.predicted_recompute_flops > sdpa_flops
     assert report.measured_recompute_flops == report.predicted_recompute_flops
     assert report.grads_bitwise_equal
+
+
+def test_an_output_only_later_modules_read_is_never_saved() -> None:
+    """``attn.qkv``'s output is read by the attention kernel's backward (outside ``attn.qkv``) and by none of its own:
+    a cache holding it would keep it through ``attn.qkv``'s recomputation and backward, after the unplanned step has
+    freed it, so no save list keeps it, not even one naming it. Outputs the module's own backward reads (``tanh``,
+    attention's) stay free to save."""
+    stats = _stats()
+    qkv = next(o for o in stats.module("attn.qkv").ops if o.name == "aten.addmm.default")
+    assert qkv.is_output and qkv.save_cost_bytes == 0 and qkv.output_kept_outside
+    assert not any(o.output_kept_outside for f in ("attn", "mlp") for o in stats.module(f).ops)
+    named = predict(ModuleTree(stats), {"attn.qkv": frozenset({("aten.addmm.default", 0)})})
+    assert named.modules[0].saved_keys == frozenset()
