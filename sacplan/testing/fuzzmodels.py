@@ -188,9 +188,6 @@ class Grammar:
 #:   3-D output (a view) gives the view an ``AsStridedBackward0``, which allocates a base-sized gradient while the
 #:   residual branch still holds the incoming one; the fake step's views replay as ``ViewBackward0`` (an alias), so
 #:   that segment is recorded one activation low (test_inplace_activation_in_a_residual_branch).
-#: * tied ``Linear`` weights in a feature model: at width 128 the CPU step allocates 32,768 B (one activation) that
-#:   no op shows (sacplan's tracker on the real tensors agrees with the fakes; the profiler does not), unplanned
-#:   peak +7.7% (test_tied_linear_weights_in_a_feature_model).
 #: * attention dropout: one plan of a width-64 attention layer with dropout peaks 4,800 B (+1.5%) over the
 #:   prediction, the fork_rng copy counted or not (test_attention_dropout_region_peak).
 #: Model sizes (draw_spec) put peaks near 1 MiB and up. The 5,056-byte RNG-state copy a recomputation makes is in
@@ -200,7 +197,6 @@ class Grammar:
 CHECKED = Grammar(
     norm_options=(0, 1),
     inplace_in_residual=False,
-    feature_tie=False,
     attention_dropout=False,
 )
 

@@ -11,12 +11,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import sacplan.apply as apply_mod
 from sacplan.apply import apply_plan, remove_plan
+from sacplan.errors import PlanMismatchError
 from sacplan.plan import ModuleDecision, Plan
 
 
-def _plan(*fqns: str, saved_ops=None) -> Plan:
+def _plan(*fqns: str, saved_ops=None, rng: bool = True) -> Plan:
     return Plan(
-        decisions=tuple(ModuleDecision(fqn=f, saved_ops=saved_ops) for f in fqns), budget_bytes=1, predicted_peak_bytes=1,
+        decisions=tuple(ModuleDecision(fqn=f, saved_ops=saved_ops, preserve_rng_state=rng) for f in fqns), budget_bytes=1, predicted_peak_bytes=1,
         baseline_peak_bytes=1, recompute_ms=0.0, baseline_step_ms=0.0, status="optimal", objective_ms=0.0, bound_ms=0.0,
         gap=0.0, solver="test", build_s=0.0, solve_s=0.0, world_size=1, device_name="cpu", model_name="test", fingerprint="",
     )
@@ -108,3 +109,24 @@ def test_selective_units_never_turn_plain(monkeypatch):
     for _ in range(2):
         _step(model, x)
     assert (spy.selective, spy.plain) == (2, 0)
+
+
+def test_regions_without_rng_state_run_their_first_call_under_the_policy(monkeypatch):
+    """A region planned without RNG state (it drew no random numbers when collected) runs its first call under the
+    policy, which refuses a random op there, and plain afterwards; one that does draw them is refused."""
+    torch.manual_seed(0)
+    model, x = Net(nn.Identity(), n=2), torch.randn(8, 16)
+    _, g0 = _step(model, x)
+    spy = _Spy(apply_mod.checkpoint)
+    monkeypatch.setattr(apply_mod, "checkpoint", spy)
+    apply_plan(model, _plan("blocks.0", "blocks.1", rng=False))
+    _, g1 = _step(model, x)
+    _, g2 = _step(model, x)
+    assert (spy.selective, spy.plain) == (2, 2)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]) and torch.equal(g0[k], g2[k]), k
+    remove_plan(model)
+    noisy = Net(nn.Identity(), n=1, dropout=0.3)
+    apply_plan(noisy, _plan("blocks.0", rng=False))
+    with pytest.raises(PlanMismatchError):
+        _step(noisy, x)

@@ -286,14 +286,15 @@ def test_inplace_activation_in_a_residual_branch() -> None:
     assert_exact(spec, 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="CPU step allocates one activation no op shows (tied Linear weights, width 128)")
 def test_tied_linear_weights_in_a_feature_model() -> None:
     """Found by ``-m slow`` next, shrunk: a feature model whose body ``Linear`` shares the input ``Linear``'s weight,
     width 128, no plan at all: the *unplanned* peak is +32,768 B (+7.7%, one 2x32x128 fp32 activation) over the
     prediction; the same on main before this branch. Untied, or at width 64, it is exact. sacplan's tracker on the
     real tensors agrees with the fake step segment by segment (2026-11-26), so the bytes are allocated below the
     dispatcher (a CPU kernel's scratch, as the ``mm`` stride-0 copy of test_mean_loss_gradient_reaches_the_head_expanded
-    was): not root-caused; sacplan/collector/workspace.py is where such scratch is measured."""
+    was). Fixed with test_tied_weight_gradients_accumulate_out_of_place (found on another branch the same day): the
+    tied weight's two gradients are summed out of place (the first is a ``.t()`` view), which the tracker counted
+    in place; its real-tensor run agreed only because it applied the same rule."""
     assert_exact(ModelSpec(layers=(Layer("linear"),), dim=128, seq=32, tie=True), 0.0)
 
 
