@@ -7,15 +7,17 @@ same predicted peak, as real step times on one GPU.
 ``prepare`` collects each case of ``benchmarks/cuda_validation.py`` on fakes for the target, builds the
 alternatives of :mod:`sacplan.alternatives` (full AC of every block, every other block, torchtitan's op list)
 and, for each, the sacplan plan at the alternative's own predicted peak; every plan is saved to ``--plans``.
-``measure`` builds each case once on the GPU and times forward + backward (CUDA events) of no plan, each
-alternative and its sacplan plan in interleaved rounds (median and spread of ``--rounds``), after one step per
-variant that records ``torch.cuda.max_memory_allocated`` (its peak). The table shows, per alternative, the
+``measure`` builds each case once on the GPU and records each variant's ``torch.cuda.max_memory_allocated`` (no
+plan, each alternative, its sacplan plan; forward + backward, no optimizer step, so below the predictions, which
+include the optimizer's state and step), then times forward + backward (CUDA events) of one model copy per
+variant, each planned once, in interleaved rounds (median and spread of ``--rounds``). The table shows, per alternative, the
 predicted recompute ms (sacplan's roofline for the target) and the measured extra ms over no plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -98,30 +100,35 @@ def measure_case(name: str, rows: list[dict], plans: Path, rounds: int, dev: tor
     args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, as_inputs(case["inputs"]()))
     loss = as_loss(case["loss"])
 
-    def step() -> None:
-        loss(call_model(model, args), args).backward()
-        model.zero_grad(set_to_none=True)
-
-    def use(v: str) -> None:
-        remove_plan(model)
-        if variants[v] is not None:
-            apply_plan(model, variants[v])
+    def step(m: torch.nn.Module) -> None:
+        loss(call_model(m, args), args).backward()
+        m.zero_grad(set_to_none=True)
 
     peaks: dict[str, int] = {}
-    for v in variants:  # warm-up step, then the measured peak of one step
-        use(v)
-        step()
+    for v, plan in variants.items():  # one model: two steps (warm-up; a region's first call), then the measured peak
+        remove_plan(model)
+        if plan is not None:
+            apply_plan(model, plan)
+        step(model)
+        step(model)
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        step()
+        step(model)
         peaks[v] = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+    remove_plan(model)
+    # Timing: one copy of the model per variant, each planned once (as a user applies a plan once: a region planned
+    # without RNG state runs its first call under the selective policy, plain afterwards), two warm-up steps each.
+    copies = {v: copy.deepcopy(model) for v in variants}
+    for v, plan in variants.items():
+        if plan is not None:
+            apply_plan(copies[v], plan)
+        step(copies[v])
+        step(copies[v])
     timed, times = _timer(dev), {v: [] for v in variants}
     for _ in range(rounds):
-        for v in variants:
-            use(v)
-            times[v].append(timed(step))
-    remove_plan(model)
+        for v, m in copies.items():
+            times[v].append(timed(lambda: step(m)))
     return {v: (statistics.median(t), min(t), max(t), peaks[v]) for v, t in times.items()}
 
 

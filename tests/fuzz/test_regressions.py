@@ -306,3 +306,17 @@ def test_attention_dropout_region_peak() -> None:
     the region's rc events (this branch) or at every event of its backward (tried) it stays +4,800 B; the unplanned
     peak is exact. Not root-caused (the per-segment tracker log of the planned real step is where to look)."""
     assert_exact(ModelSpec(layers=(Layer("attention", dropout=0.25),), dim=64, seq=32), 0.0)
+
+
+@pytest.mark.xfail(strict=True, reason="a region saving only its last op (relu) is over-predicted at its rc event: -4.99%")
+def test_region_saving_its_last_relu_over_predicted() -> None:
+    """The first failure of ``-m slow`` on main after the day's merges (the drawn examples changed with the checked
+    grammar; the same prediction on both merged branches alone, so not from the merge): ``body`` = Linear → SiLU,
+    Linear → ReLU, checkpointed at the minimum budget saving only its last op, ``relu`` (its output is the body's
+    output, read by relu's own backward). Predicted 336.76 KiB at ``body``'s rc event, measured 320.76 KiB
+    (-16,384 B, the safe side); sacplan's tracker on the real planned step agrees with the allocator, and full
+    checkpointing of ``body`` predicts the same rc value. Not root-caused: the rc event's value (base at the
+    backward's start + discarded bytes back + transient) against what the recomputation really re-materialises
+    (sacplan/timeline.py, sacplan/evaluate.py) is where to look, as for the RNG copy's rc value."""
+    spec = ModelSpec(layers=(Layer("seq", children=(Layer("linear", act="silu"), Layer("linear"))),), dim=64, seq=64)
+    assert_exact(spec, 0.0)
