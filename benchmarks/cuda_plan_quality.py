@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cuda_validation import CASES  # noqa: E402  (the benchmark's cases, one definition)
-from sac_mode_overhead import _timer  # noqa: E402
+from sac_mode_overhead import built_case, step_timer  # noqa: E402
 
 MiB = 2**20
 ALTERNATIVES = ("full_ac_plan", "every_other_block_plan", "torchtitan_op_sac_plan")
@@ -89,16 +88,10 @@ def _variants(name: str, rows: list[dict], plans: Path) -> dict[str, Any]:
 def measure_case(name: str, rows: list[dict], plans: Path, rounds: int, dev: torch.device) -> dict[str, tuple[float, float, float, int]]:
     """Per variant: (median ms, min ms, max ms, peak bytes; 0 off CUDA) of forward + backward on ``dev``."""
     from sacplan.apply import apply_plan, remove_plan
-    from sacplan.collector.calling import as_inputs, as_loss, call_model
+    from sacplan.collector.calling import call_model
 
-    case, variants = CASES[name](), _variants(name, rows, plans)
-    torch.manual_seed(0)
-    model = case["build"]().to(dev)
-    if case["dtype"] is not None:
-        model.to(case["dtype"])
-    model.train()
-    args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, as_inputs(case["inputs"]()))
-    loss = as_loss(case["loss"])
+    variants = _variants(name, rows, plans)
+    model, args, loss = built_case(name, dev)
 
     def step(m: torch.nn.Module) -> None:
         loss(call_model(m, args), args).backward()
@@ -125,7 +118,7 @@ def measure_case(name: str, rows: list[dict], plans: Path, rounds: int, dev: tor
             apply_plan(copies[v], plan)
         step(copies[v])
         step(copies[v])
-    timed, times = _timer(dev), {v: [] for v in variants}
+    timed, times = step_timer(dev), {v: [] for v in variants}
     for _ in range(rounds):
         for v, m in copies.items():
             times[v].append(timed(lambda: step(m)))

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 from cuda_validation import CASES  # noqa: E402  (the benchmark's cases, one definition)
 
 
-def _timer(dev: torch.device) -> Callable[[Callable[[], None]], float]:
+def step_timer(dev: torch.device) -> Callable[[Callable[[], None]], float]:
     def timed(step: Callable[[], None]) -> float:
         if dev.type != "cuda":
             t = time.perf_counter()
@@ -56,10 +56,10 @@ def _planned_forwards(model: torch.nn.Module) -> list[Any]:
     return [m.forward for m in model.modules() if hasattr(m.forward, "full")]
 
 
-def time_case(name: str, plan: Any, dev: torch.device, rounds: int) -> dict[str, Any]:
-    """Median step ms of ``none`` / ``plan`` / ``all-selective`` for one case and plan."""
-    from sacplan.apply import apply_plan, remove_plan
-    from sacplan.collector.calling import as_inputs, as_loss, call_model
+def built_case(name: str, dev: torch.device) -> tuple[torch.nn.Module, Any, Callable[[Any, Any], torch.Tensor]]:
+    """(model in training mode on ``dev`` in the case's dtype, its arguments on ``dev``, the two-argument loss) of
+    a case of ``cuda_validation.py``."""
+    from sacplan.collector.calling import as_inputs, as_loss
 
     case = CASES[name]()
     torch.manual_seed(0)
@@ -68,7 +68,15 @@ def time_case(name: str, plan: Any, dev: torch.device, rounds: int) -> dict[str,
         model.to(case["dtype"])
     model.train()
     args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, as_inputs(case["inputs"]()))
-    loss = as_loss(case["loss"])
+    return model, args, as_loss(case["loss"])
+
+
+def time_case(name: str, plan: Any, dev: torch.device, rounds: int) -> dict[str, Any]:
+    """Median step ms of ``none`` / ``plan`` / ``all-selective`` for one case and plan."""
+    from sacplan.apply import apply_plan, remove_plan
+    from sacplan.collector.calling import call_model
+
+    model, args, loss = built_case(name, dev)
 
     def step() -> None:
         loss(call_model(model, args), args).backward()
@@ -83,9 +91,10 @@ def time_case(name: str, plan: Any, dev: torch.device, rounds: int) -> dict[str,
         wrappers = _planned_forwards(model)
         for w in wrappers:
             w.full = w.full and v == "plan"
+            w.checked = True  # the steady state: a region without RNG state runs its first call under the policy
         return sum(1 for w in wrappers if w.full and next(w.module.buffers(), None) is None)
 
-    timed, times, plain = _timer(dev), {"none": [], "plan": [], "all-selective": []}, 0
+    timed, times, plain = step_timer(dev), {"none": [], "plan": [], "all-selective": []}, 0
     for v in times:  # warm-up: allocator, kernels, autotuning
         plain = max(plain, variant(v))
         step()

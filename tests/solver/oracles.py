@@ -139,3 +139,23 @@ def option_sets(cands):
                            recompute_stop=n.stats.recompute_stop or None)
         out.append(list(zip(o.ratio, o.frac)))
     return out
+
+
+def random_budget_case(seed: int, u: float):
+    """A random option tree (:func:`random_option_spec`) and a budget at ``u`` of the way from a byte under its
+    minimum peak (infeasible) to its no-checkpointing peak, with the brute-force optimum over every option:
+    ``(tree, budget, brute cost, option sets)``, or None when the tree has no candidate or nothing to save."""
+    from sacplan.testing.synthetic import build_tree
+
+    tree = build_tree(random_option_spec(random.Random(seed)))
+    cands, base, C, X = oracle(tree, None)
+    if not cands:
+        return None
+    baseline = float(np.max(base))
+    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+    if not min_peak < baseline - 1:
+        return None
+    budget = int(min_peak - 1 + u * (baseline - min_peak))  # a few budgets below the minimum: infeasible
+    opts = option_sets(cands)
+    brute, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
+    return tree, budget, brute, opts

@@ -12,10 +12,8 @@
 from __future__ import annotations
 
 import math
-import random
 from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -29,20 +27,15 @@ from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import solve_tree_dp
 from sacplan.testing.llama_tree import llama_spec
 from sacplan.testing.synthetic import build_tree
-from oracles import brute_over_options, option_sets, oracle, random_option_spec
+from oracles import random_budget_case
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(seed=st.integers(0, 2**31 - 1), u=st.floats(0.0, 1.0))
 def test_chain_dp_equals_brute_force_over_options(seed, u):
-    tree = build_tree(random_option_spec(random.Random(seed)))
-    cands, base, C, X = oracle(tree, None)
-    assume(cands)
-    baseline = float(np.max(base))
-    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
-    assume(min_peak < baseline - 1)
-    budget = int(min_peak - 1 + u * (baseline - min_peak))  # a few budgets below the minimum: infeasible
-    brute, _ = brute_over_options(tree, cands, base, C, X, budget, option_sets(cands))
+    case = random_budget_case(seed, u)
+    assume(case is not None)
+    tree, budget, brute, opts = case
     why: list[str] = []
     res = solve_chain_dp(SacProblem(tree, exact=True), budget, None, why)
     if res is None and why[0].startswith("not a sequential chain"):

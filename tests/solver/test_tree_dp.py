@@ -14,7 +14,6 @@ give-up cases.
 from __future__ import annotations
 
 import math
-import random
 import time
 from unittest import mock
 
@@ -31,7 +30,7 @@ from sacplan.solver import limits
 from sacplan.solver.tree_dp import TreeDp, TreeDpGaveUp, pareto, solve_tree_dp
 from sacplan.testing.llama_tree import llama_spec
 from sacplan.testing.synthetic import build_tree, hand_tree
-from oracles import brute_over_options, option_sets, oracle, random_option_spec
+from oracles import random_budget_case
 
 
 def test_pareto_by_hand():
@@ -64,15 +63,9 @@ def test_pareto_equals_definition(k, n, seed):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(seed=st.integers(0, 2**31 - 1), u=st.floats(0.0, 1.0), with_milp=st.booleans())
 def test_dp_equals_brute_force_over_options(seed, u, with_milp):
-    tree = build_tree(random_option_spec(random.Random(seed)))
-    cands, base, C, X = oracle(tree, None)
-    assume(cands)
-    baseline = float(np.max(base))
-    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
-    assume(min_peak < baseline - 1)
-    budget = int(min_peak - 1 + u * (baseline - min_peak))  # a few budgets below the minimum: infeasible
-    opts = option_sets(cands)
-    brute, _ = brute_over_options(tree, cands, base, C, X, budget, opts)
+    case = random_budget_case(seed, u)
+    assume(case is not None)
+    tree, budget, brute, opts = case
     P = SacProblem(tree, exact=True)
     why: list[str] = []
     # every example: the DP over all events that can bind, with no time cap for many of them
