@@ -120,7 +120,8 @@ class SacProblem:
         # What checkpointing a slot adds at an event, as sparse (event, slot, bytes) triples: the overhead of each
         # call inside its backward there (held until that backward ends) and, at a call's rc event, its
         # recompute transient and the RNG-state copy its recomputation holds (sacplan.evaluate.rng_copy_bytes).
-        copy = [float(rng_copy_bytes(self.tree, c.fqn)) for c in self.candidates]
+        # (PyTorch's Graph, ``tree`` None, has no RNG state in its memory model: no copy)
+        copy = [0.0 if self.tree is None else float(rng_copy_bytes(self.tree, c.fqn)) for c in self.candidates]
         t_ev: list[int] = []
         t_slot: list[int] = []
         t_coef: list[float] = []
