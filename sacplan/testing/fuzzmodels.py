@@ -181,9 +181,6 @@ class Grammar:
 #: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: everything, less the
 #: constructs whose failures are open, each pinned by a strict-xfail test in tests/fuzz/test_regressions.py
 #: (put them back when those tests XPASS):
-#: * BatchNorm1d as a ``norm`` layer: a ``Linear`` after it (transposed back) has a forward stretch the tracker
-#:   over-counts against the allocator, on the real tensors too
-#:   (test_linear_after_transposed_batchnorm_forward_peak_over_predicted).
 #: * an activation run in place inside a ``residual`` container: on real CPU tensors the in-place op on a Linear's
 #:   3-D output (a view) gives the view an ``AsStridedBackward0``, which allocates a base-sized gradient while the
 #:   residual branch still holds the incoming one; the fake step's views replay as ``ViewBackward0`` (an alias), so
@@ -195,7 +192,6 @@ class Grammar:
 #: it shows); where a region with dropout has its rc stretch peak before its recomputation, the copy is over-counted
 #: (at most 5,056 B, the safe side).
 CHECKED = Grammar(
-    norm_options=(0, 1),
     inplace_in_residual=False,
     attention_dropout=False,
 )
