@@ -52,9 +52,10 @@ _PROFILER_OPS = frozenset(
 ) - {None}
 #: ops never offered to a selective-checkpoint policy (PyTorch skips them too), and profiler markers.
 IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default} | _PROFILER_OPS
-#: metadata queries a fake tensor answers through the dispatcher (``prim.device`` after every fake op): no kernel
-#: and no storage, so they do not mark the "next op" a deferred peak waits for (``settle_accumulation``); on real
-#: tensors they never reach a dispatch mode, and settling at them counted the peaks the real step never has.
+#: metadata queries a fake tensor answers through the dispatcher (``prim.device``, e.g. inside ``linear`` right after
+#: its bias add): no kernel and no storage, so they do not mark the "next op" a deferred peak waits for
+#: (``settle_accumulation``); on real tensors they never reach a dispatch mode, and settling at them counted the
+#: peaks the real step never has.
 _METADATA_OPS = frozenset({torch.ops.prim.device.default})
 
 _VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}

@@ -131,8 +131,8 @@ def test_linear_after_transposed_batchnorm_forward_peak_over_predicted() -> None
     the real step hold the matmul output and the sum at once (the allocator under a marking dispatch mode also read
     527,640 B; without one, 496,416 B). Fixed in sacplan/collector/linearbias.py (the bias add's peak deferred as
     the engine's gradient accumulation is: counted only if the matmul output outlives it) and
-    sacplan/collector/tracker.py: a fake tensor's ``prim.device`` query after each op no longer settles a
-    deferred peak (it did, so on fakes the deferral never took effect)."""
+    sacplan/collector/tracker.py: a fake tensor's ``prim.device`` query, which ``linear`` makes after the add
+    while the matmul output is still alive, no longer settles a deferred peak (on fakes it counted the peak)."""
     spec = ModelSpec(layers=(Layer("buffers"), Layer("norm", option=2), Layer("buffers", dropout=0.25),
                              Layer("norm", dropout=0.25, heads=2, kv_heads=2)),
                      dim=64, batch=3, seq=64, tie=True, seed=15721, loss="mean")
