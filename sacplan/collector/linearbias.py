@@ -14,6 +14,10 @@ bias like the engine's gradient accumulation (``StorageAccounting.defer_accumula
 peak counts only if the matmul's output outlives the add, which it never does inside ``linear``. The op itself
 stays ``add.Tensor`` (what a selective-checkpoint region, itself under a dispatch mode, runs and keys), and the
 op record's ``live`` keeps the out-of-place bytes (a recomputation under the policy's mode holds them).
+
+Not modelled: the forward of a region checkpointed *selectively* runs under the policy's dispatch mode too, so
+there the real add is out of place and the forward events (now the plain step's) can be one matmul output low at
+such an add. No fuzz plan has peaked there (the forward of a selective region frees what it does not save).
 """
 
 from __future__ import annotations
