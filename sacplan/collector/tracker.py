@@ -24,6 +24,7 @@ import torch._prims_common as _prims_common
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sacplan.collector.linearbias import LinearBiasMode, is_linear_bias_add
 from sacplan.collector.module_hooks import ModuleCallHooks
 from sacplan.collector.records import ACT, TEMP, OpRecord
 from sacplan.collector.runtime import RuntimeModel, op_flops
@@ -51,6 +52,11 @@ _PROFILER_OPS = frozenset(
 ) - {None}
 #: ops never offered to a selective-checkpoint policy (PyTorch skips them too), and profiler markers.
 IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default} | _PROFILER_OPS
+#: metadata queries a fake tensor answers through the dispatcher (``prim.device``, e.g. inside ``linear`` right after
+#: its bias add): no kernel and no storage, so they do not mark the "next op" a deferred peak waits for
+#: (``settle_accumulation``); on real tensors they never reach a dispatch mode, and settling at them counted the
+#: peaks the real step never has.
+_METADATA_OPS = frozenset({torch.ops.prim.device.default})
 
 _VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}
 #: ``TensorImpl::is_non_overlapping_and_dense`` from Python (renamed ``..._or_false`` in newer torch)
@@ -93,11 +99,14 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         self.fw_ms = self.bw_ms = self.opt_ms = 0.0
         self.fw_flops = self.bw_flops = 0
         self._undo: contextlib.ExitStack | None = None
+        #: the bias of the ``F.linear`` call running (see :mod:`~sacplan.collector.linearbias`)
+        self.linear_bias = LinearBiasMode()
 
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self.settle_accumulation()
+        if func not in _METADATA_OPS:
+            self.settle_accumulation()
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -117,7 +126,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         if in_bw and self.recording:
             self.bw_seen = True
         category = TEMP if (in_bw or self.in_optimizer) else ACT
-        accumulated = accumulation_input(func, args, kwargs, out) if in_bw and not self.in_optimizer else None
+        accumulated = self._in_place_on_real(func, args, kwargs, out, in_bw)
         fresh = 0
         out_new = []
         for st in storages_of(out):
@@ -165,6 +174,18 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
                 rec.fw_flops += flops
         return out
 
+    def _in_place_on_real(self, func: Any, args: tuple, kwargs: dict, out: Any, in_bw: bool) -> torch.UntypedStorage | None:
+        """The storage of the input an out-of-place op seen here writes in place on plain tensors, if the real step
+        may (its peak is then deferred: ``defer_accumulation_peak``): autograd's gradient accumulation in backward,
+        ``F.linear``'s bias add in forward (:mod:`~sacplan.collector.linearbias`)."""
+        if self.in_optimizer:
+            return None
+        if in_bw:
+            return accumulation_input(func, args, kwargs, out)
+        mm_out = is_linear_bias_add(func, args, kwargs, self.linear_bias.bias)
+        sts = storages_of(mm_out) if mm_out is not None else []
+        return sts[0] if sts else None
+
     def _random_and_parent(self, func: Any, args: tuple, kwargs: dict, is_inplace: bool, out_sids: list[int]) -> tuple[bool, int | None]:
         """Whether the next forward op draws random numbers, and for an in-place op the index of the op that made
         the storage it writes; records it as the maker of its new storages."""
@@ -204,6 +225,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         with contextlib.ExitStack() as undo:
             self.install_module_hooks(undo)
             undo.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            undo.enter_context(self.linear_bias)
             self.install_resize_hook(undo)
             out = super().__enter__()
             self._undo = undo.pop_all()
