@@ -184,10 +184,6 @@ class Grammar:
 #: * BatchNorm1d as a ``norm`` layer: a ``Linear`` after it (transposed back) has a forward stretch the tracker
 #:   over-counts against the allocator, on the real tensors too
 #:   (test_linear_after_transposed_batchnorm_forward_peak_over_predicted).
-#: * an activation run in place inside a ``residual`` container: on real CPU tensors the in-place op on a Linear's
-#:   3-D output (a view) gives the view an ``AsStridedBackward0``, which allocates a base-sized gradient while the
-#:   residual branch still holds the incoming one; the fake step's views replay as ``ViewBackward0`` (an alias), so
-#:   that segment is recorded one activation low (test_inplace_activation_in_a_residual_branch).
 #: * attention dropout: one plan of a width-64 attention layer with dropout peaks 4,800 B (+1.5%) over the
 #:   prediction, the fork_rng copy counted or not (test_attention_dropout_region_peak).
 #: Model sizes (draw_spec) put peaks near 1 MiB and up. The 5,056-byte RNG-state copy a recomputation makes is in
@@ -196,7 +192,6 @@ class Grammar:
 #: (at most 5,056 B, the safe side).
 CHECKED = Grammar(
     norm_options=(0, 1),
-    inplace_in_residual=False,
     attention_dropout=False,
 )
 
