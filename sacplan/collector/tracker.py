@@ -24,6 +24,7 @@ import torch._prims_common as _prims_common
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sacplan.collector.inplaceviews import InplaceViewBackwards
 from sacplan.collector.linearbias import LinearBiasMode, is_linear_bias_add
 from sacplan.collector.module_hooks import ModuleCallHooks
 from sacplan.collector.records import ACT, TEMP, OpRecord
@@ -101,12 +102,16 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         self._undo: contextlib.ExitStack | None = None
         #: the bias of the ``F.linear`` call running (see :mod:`~sacplan.collector.linearbias`)
         self.linear_bias = LinearBiasMode()
+        #: the real step's ``as_strided`` backward of in-place ops on views, which the fake step replays as aliases
+        self.inplace_views = InplaceViewBackwards()
 
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func not in _METADATA_OPS:
             self.settle_accumulation()
+        if func not in IGNORED_OPS and func.namespace != "prim":  # metadata queries run inside an op's autograd
+            self.inplace_views.settle(args, kwargs)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -115,6 +120,8 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         if func in IGNORED_OPS:
             return out
         is_view, is_inplace = op_kind(func)
+        if is_inplace and args and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.inplace_views.note(args, kwargs)
         reads: tuple[int, ...] = ()
         writes: tuple[int, ...] = ()
         if self.recording and not self.in_optimizer and torch._C._current_graph_task_id() == -1:
