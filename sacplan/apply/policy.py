@@ -19,12 +19,38 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
 from sacplan.errors import PlanMismatchError
-from sacplan.opnames import RANDOM, draws_random_numbers, family, is_inplace_op, is_random_op, resolve_op, saved_op_keys
+from sacplan.opnames import (
+    RANDOM, draws_random_numbers, family, is_attention, is_inplace_op, is_random_op, resolve_op, saved_op_keys,
+)
 
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 #: Non-random ops of eager ``dropout`` on a device without a fused kernel (CPU): ``empty_like``, ``bernoulli_``
 #: (random), ``div_``, ``mul``. Traced by ``torch.compile`` it is one ``native_dropout`` on every device.
 _CPU_DROPOUT_COMPANIONS = ("aten.empty_like.default", "aten.div_.Scalar", "aten.mul.Tensor")
+
+
+class _OpInfo:
+    """What the policy needs to know of an op overload, worked out once per overload (the policy runs on every op
+    of a selective region's forward and recomputation, so its own Python time is step time)."""
+
+    __slots__ = ("name", "random", "family", "inplace", "attention")
+
+    def __init__(self, func: Any) -> None:
+        self.name = str(func)
+        self.random = is_random_op(func)
+        self.family = family(self.name, self.random)
+        self.inplace = is_inplace_op(func)
+        self.attention = is_attention(self.name)
+
+
+_OP_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = _OpInfo(func)
+    return info
 
 
 def _eager_decomposes_dropout(args: tuple) -> bool:
@@ -67,10 +93,10 @@ def make_policy(
     pending: dict[bool, list[str]] = {}  # its companions still to come
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        rnd = is_random_op(func)
-        fam = family(str(func), rnd)
+        info = _op_info(func)
+        rnd, fam = info.random, info.family
         recompute = bool(getattr(ctx, "is_recompute", False))
-        if no_rng_state and not recompute and draws_random_numbers(func, args, kwargs):
+        if no_rng_state and not recompute and (rnd or info.attention) and draws_random_numbers(func, args, kwargs):
             raise PlanMismatchError(
                 f"checkpointed module {region!r} draws random numbers ({func}) where the step the plan was made from "
                 "drew none (was the model collected in eval mode, or with dropout 0?); without the RNG state its "
@@ -83,15 +109,15 @@ def make_policy(
         key = (recompute, fam)
         occ = counters.get(key, 0)
         counters[key] = occ + 1
-        if fused_dropout and save_random and not compiled and str(func) == "aten.empty_like.default":
+        if fused_dropout and save_random and not compiled and info.name == "aten.empty_like.default":
             # may head a decomposed dropout whose noise is saved: the cache must hold the filled tensor
             return CheckpointPolicy.MUST_SAVE
         if compiled and not fused_dropout and func is _NATIVE_DROPOUT and _eager_decomposes_dropout(args):
             for fam2 in _CPU_DROPOUT_COMPANIONS:  # keep the occurrences eager on this device would count
                 counters[(recompute, fam2)] = counters.get((recompute, fam2), 0) + 1
-        if outside and is_inplace_op(func) and _writes_outside(func, args, kwargs, outside):
+        if outside and info.inplace and _writes_outside(func, args, kwargs, outside):
             return CheckpointPolicy.MUST_SAVE
-        if compiled and _mutates(func) and _writes_no_grad(func, args, kwargs):
+        if compiled and (info.inplace or func in _UNANNOTATED_BN) and _writes_no_grad(func, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         if rnd:
             return CheckpointPolicy.MUST_SAVE if save_random else CheckpointPolicy.PREFER_RECOMPUTE
@@ -145,10 +171,6 @@ def _batch_norm_ops() -> frozenset[Any]:
 #: (argument 5) although their schemas do not mark those arguments as written. Eager recomputation runs
 #: them with the statistics frozen (``sacplan.apply``'s frozen running statistics); a traced graph is always saved.
 _UNANNOTATED_BN = _batch_norm_ops()
-
-
-def _mutates(func: Any) -> bool:
-    return func in _UNANNOTATED_BN or is_inplace_op(func)
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
