@@ -90,7 +90,7 @@ def plan_from_choices(tree: ModuleTree, choices: Mapping[str, Choice], label: st
     decisions = []
     for fqn, choice in sorted(choices.items(), key=lambda kv: tree.index_of(kv[0])):
         ms = tree.node(fqn).stats
-        out = module_outcome(ms, choice)
+        out = module_outcome(ms, choice, st.device)
         A = ms.tradeoff.max_discard_bytes if ms.tradeoff is not None else 0
         d0 = out.discard_bytes[0] if out.discard_bytes else 0
         if choice is None:
@@ -107,6 +107,7 @@ def plan_from_choices(tree: ModuleTree, choices: Mapping[str, Choice], label: st
                 saved_ops=saved,
                 calls=ms.calls,
                 preserve_rng_state=ms.draws_random,
+                dispatch_ms=out.dispatch_ms,
             )
         )
     return Plan(
@@ -117,8 +118,8 @@ def plan_from_choices(tree: ModuleTree, choices: Mapping[str, Choice], label: st
         recompute_ms=pred.recompute_ms,
         baseline_step_ms=float(st.step_ms),
         status=label,
-        objective_ms=pred.recompute_ms,
-        bound_ms=pred.recompute_ms,
+        objective_ms=pred.recompute_ms + pred.dispatch_ms,
+        bound_ms=pred.recompute_ms + pred.dispatch_ms,
         gap=0.0,
         solver="",
         build_s=0.0,

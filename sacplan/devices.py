@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from sacplan.units import GiB, MiB
 TFLOPS = 10**12
 GBPS = 10**9
 GB = 10**9
+#: Default :attr:`DeviceSpec.sac_dispatch_ms` of a GPU target and of the host CPU, ms per op and pass
+#: (``benchmarks/cuda_results/run8_dispatch_cost.txt``: 17-23 µs on an H200 machine). The host CPU spec, which
+#: validates memory on real CPU steps and whose step times are never compared with an estimate, leaves it at 0
+#: (measured there: 11-16 µs per op and pass on CPU tensors): give ``CPU.replace(sac_dispatch_ms=...)`` to plan
+#: CPU training for speed.
+SAC_DISPATCH_GPU_MS = 0.018
+SAC_DISPATCH_CPU_MS = 0.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,13 @@ class DeviceSpec:
         sm_count, max_threads_per_sm: streaming multiprocessors and resident threads per SM, which set the
             staging buffers of PyTorch's CUDA reductions (:mod:`sacplan.collector.reductions`); ``sm_count`` 0
             leaves them unmodelled (host CPU, ROCm).
+        sac_dispatch_ms: host time (ms) the selective-checkpoint mode adds per op of a checkpointed region and pass
+            (the forward under its caching dispatch mode, the recomputation under its cached one) beyond plain
+            ``torch.utils.checkpoint``: Python dispatch on the host, which the device waits for when the host is
+            the bottleneck (:mod:`sacplan.sacmode`). Default (``None``): 0.018 for a GPU
+            (``benchmarks/sac_dispatch_cost.py`` on an H200 machine with torch 2.11: 17-23 µs per op and pass
+            on CUDA at every width tried), 0 for the host CPU spec (see :data:`SAC_DISPATCH_CPU_MS`). 0 leaves
+            the selective mode free.
         source: where the figures come from.
     """
 
@@ -69,6 +84,7 @@ class DeviceSpec:
     runtime_workspace_bytes: int | None = None
     sm_count: int = 0
     max_threads_per_sm: int = 2048
+    sac_dispatch_ms: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -86,6 +102,10 @@ class DeviceSpec:
             raise ConfigError(f"DeviceSpec {self.name!r}: sm_count must be >= 0 and max_threads_per_sm >= 1")
         if self.runtime_workspace_bytes is None:  # a GPU unless it is the host: Hopper's larger default
             object.__setattr__(self, "runtime_workspace_bytes", 0 if self.name == "CPU" else cublas_workspaces(True))
+        if self.sac_dispatch_ms is None:
+            object.__setattr__(self, "sac_dispatch_ms", SAC_DISPATCH_CPU_MS if self.name == "CPU" else SAC_DISPATCH_GPU_MS)
+        if not (math.isfinite(self.sac_dispatch_ms) and self.sac_dispatch_ms >= 0):
+            raise ConfigError(f"DeviceSpec {self.name!r}: sac_dispatch_ms must be a finite number >= 0 (ms per op and pass)")
         if self.runtime_workspace_bytes < 0:
             raise ConfigError(f"DeviceSpec {self.name!r}: runtime_workspace_bytes must be >= 0")
         if self.attention not in ("flash", "math"):

@@ -18,9 +18,10 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from sacplan.devices import checkpoint_state_bytes
+from sacplan.devices import DeviceSpec, checkpoint_state_bytes
 from sacplan.opgroups import op_groups
 from sacplan.opnames import op_keys
+from sacplan.sacmode import dispatch_ms, full_runs_selective
 from sacplan.stats import ModuleStats, OpStat
 from sacplan.timeline import RC, Timeline
 from sacplan.tradeoff import greedy_vertices, recompute_surge
@@ -42,6 +43,8 @@ class ModuleOutcome:
     saved_keys: frozenset
     #: bytes each recomputation peaks above the call's forward peak (:func:`~sacplan.tradeoff.recompute_surge`)
     surge_bytes: int = 0
+    #: host ms over all calls that the selective-checkpoint mode adds (:mod:`sacplan.sacmode`; 0 for a plain region)
+    dispatch_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Prediction:
         baseline_peak_bytes: the same model's peak without checkpointing.
         recompute_ms: total recompute time on the tree's target device.
         recompute_flops: total recomputed FLOPs (what ``FlopCounterMode`` would count extra).
+        dispatch_ms: host ms the selective-checkpoint mode adds over all regions (:mod:`sacplan.sacmode`).
         peak_event: index of the event at the peak.
         modules: per checkpointed module.
     """
@@ -63,9 +67,10 @@ class Prediction:
     recompute_flops: int
     peak_event: int
     modules: tuple[ModuleOutcome, ...] = field(default_factory=tuple)
+    dispatch_ms: float = 0.0
 
 
-def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
+def module_outcome(stats: ModuleStats, choice: Choice, device: DeviceSpec | None = None) -> ModuleOutcome:
     """Discarded bytes (per call) and recompute cost of checkpointing ``stats`` with ``choice``.
 
     Groups (:func:`~sacplan.opgroups.op_groups`: in-place chains, random ops) are saved whole if any member is
@@ -73,6 +78,8 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
     saved (in-place on a tensor from outside the module) are always kept, and so are ops that cost nothing
     to save when ``choice`` is a save list. A full checkpoint (``choice=None``) saves nothing else: its
     recomputation re-runs every op before the early stop, free ones included (as ``apply_plan`` does).
+    ``device``: the target whose selective mode's dispatch a save list (or a full checkpoint that still runs
+    selective, :func:`~sacplan.sacmode.full_runs_selective`) pays (None: not counted).
     """
     ops = stats.ops
     keys = op_keys(ops)
@@ -88,6 +95,7 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
     kept = sum(ops[i].save_cost_bytes for i in saved_pos)
     ms = sum(o.runtime_ms for o in ops if o.index < stop and o.index not in saved_pos)
     flops = sum(o.flops for o in ops if o.index < stop and o.index not in saved_pos)
+    selective = bool(choice) or full_runs_selective(stats)
     discards = []
     for c in range(stats.calls):
         a_c = raw[c]
@@ -99,6 +107,7 @@ def module_outcome(stats: ModuleStats, choice: Choice) -> ModuleOutcome:
         recompute_flops=flops * stats.calls,
         saved_keys=frozenset(keys[i] for i in saved_pos),
         surge_bytes=recompute_surge(ops, saved_pos, stop),
+        dispatch_ms=stats.calls * dispatch_ms(stats, device) if device is not None and selective else 0.0,
     )
 
 
@@ -175,7 +184,7 @@ def predict(
     """Predicted peak and recompute of checkpointing the modules in ``choices`` (fqn → :data:`Choice`)."""
     outcomes = []
     for fqn, choice in sorted(choices.items(), key=lambda kv: tree.index_of(kv[0])):
-        outcomes.append(module_outcome(tree.node(fqn).stats, choice))
+        outcomes.append(module_outcome(tree.node(fqn).stats, choice, tree.stats.device))
     discards = {o.fqn: o.discard_bytes for o in outcomes}
     tl = Timeline.of(tree.stats, world_size)
     peaks = event_peaks(tree, discards, world_size, {o.fqn: o.surge_bytes for o in outcomes}, timeline=tl)
@@ -187,6 +196,7 @@ def predict(
         recompute_flops=sum(o.recompute_flops for o in outcomes),
         peak_event=i,
         modules=tuple(outcomes),
+        dispatch_ms=sum(o.dispatch_ms for o in outcomes),
     )
 
 

@@ -19,8 +19,9 @@ from sacplan.errors import ConfigError, PlanError
 from sacplan.stats import Phase
 from sacplan.units import fmt_bytes
 
-#: Version of the dict layout produced by :meth:`Plan.to_dict`.
-PLAN_SCHEMA_VERSION = 1
+#: Version of the dict layout produced by :meth:`Plan.to_dict` (2: decisions carry ``dispatch_ms``; version 1 plans
+#: read as 0 there, and a sacplan that knows only version 1 says that the plan is newer instead of refusing the key).
+PLAN_SCHEMA_VERSION = 2
 
 
 
@@ -83,6 +84,9 @@ class ModuleDecision:
             region keeps no RNG state (nothing to replay: the same gradients, see
             :func:`~sacplan.devices.checkpoint_state_bytes`), and a forward that draws random numbers after all
             is refused. Plans without the field read as True.
+        dispatch_ms: host time over all calls in one step that the selective-checkpoint mode adds to this region
+            beyond plain checkpointing (:mod:`sacplan.sacmode`; 0 for a region ``apply`` runs plain). Plans without
+            the field read as 0.
     """
 
     fqn: str
@@ -93,6 +97,7 @@ class ModuleDecision:
     saved_ops: tuple[tuple[int, str, int], ...] | None = None
     calls: int = 1
     preserve_rng_state: bool = True
+    dispatch_ms: float = 0.0
 
     @property
     def full_checkpoint(self) -> bool:
@@ -109,6 +114,7 @@ class ModuleDecision:
             "saved_ops": None if self.saved_ops is None else [list(op) for op in self.saved_ops],
             "calls": self.calls,
             "preserve_rng_state": self.preserve_rng_state,
+            "dispatch_ms": self.dispatch_ms,
         }
 
     @classmethod
@@ -124,6 +130,7 @@ class ModuleDecision:
                 saved_ops=None if ops is None else tuple((int(i), str(n), int(o)) for i, n, o in ops),
                 calls=int(d.get("calls", 1)),
                 preserve_rng_state=bool(d.get("preserve_rng_state", True)),
+                dispatch_ms=float(d.get("dispatch_ms", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"invalid module decision {dict(d)!r}: {e}") from e
@@ -138,10 +145,11 @@ class Plan:
         budget_bytes: the memory budget the plan was solved for.
         predicted_peak_bytes: predicted per-rank peak with the plan applied (realised discards).
         baseline_peak_bytes: predicted per-rank peak without checkpointing (same world size).
-        recompute_ms: realised extra recomputation per step (sum over decisions).
+        recompute_ms: realised extra recomputation per step (sum over decisions); the selective mode's dispatch
+            is apart (:attr:`dispatch_ms`).
         baseline_step_ms: estimated step time without checkpointing.
         status: ``"optimal"``, ``"time_limit"`` (best plan found, see ``gap``) or ``"not needed"``.
-        objective_ms: the module-level MILP objective (trade-off upper bound of the recompute time).
+        objective_ms: the solver's objective: recomputation plus the selective mode's dispatch, ms per step.
         bound_ms: the solver's best lower bound on that objective.
         gap: relative gap ``(objective - bound) / objective`` (0 when proven optimal to tolerance).
         solver: back-end used (``"cbc"``, ``"highs"`` or ``""`` when no solve was needed).
@@ -205,9 +213,19 @@ class Plan:
         return self.baseline_peak_bytes - self.predicted_peak_bytes
 
     @property
+    def dispatch_ms(self) -> float:
+        """Host ms per step the selective-checkpoint mode adds (sum over decisions, :mod:`sacplan.sacmode`)."""
+        return float(sum(d.dispatch_ms for d in self.decisions))
+
+    @property
+    def extra_ms(self) -> float:
+        """Estimated step time the plan adds: recomputation plus the selective mode's dispatch (ms)."""
+        return self.recompute_ms + self.dispatch_ms
+
+    @property
     def overhead(self) -> float:
-        """Recompute time as a fraction of the baseline step time."""
-        return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
+        """The plan's extra step time (:attr:`extra_ms`) as a fraction of the baseline step time."""
+        return self.extra_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
 
     def peak_advice(self) -> list[str]:
         """Where the no-checkpointing peak sits and, when checkpointing cannot lower it, what would (lines).
@@ -226,7 +244,7 @@ class Plan:
         Sizes are printed in the unit their magnitude calls for (GiB, MiB, KiB), times in ms with three
         significant digits. ``extra`` lines (e.g. batch and sequence length) go under the title.
         """
-        step = self.baseline_step_ms + self.recompute_ms
+        step = self.baseline_step_ms + self.extra_ms
         gap = self.gap
         proved_by = self.meta.get("proved_by")
         name = "tree DP" if proved_by == "tree-dp" else self.solver
@@ -242,8 +260,9 @@ class Plan:
             f"  budget               {fmt_bytes(self.budget_bytes)}",
             f"  no-AC baseline peak  {fmt_bytes(self.baseline_peak_bytes)}",
             f"  predicted peak       {fmt_bytes(self.predicted_peak_bytes)}  ({fmt_bytes(self.saved_bytes)} below the no-AC peak)",
-            f"  step                 {_ms(step)}  ({_ms(self.baseline_step_ms)} + {_ms(self.recompute_ms)} recompute, "
-            f"{100 * self.overhead:.1f}% overhead)",
+            f"  step                 {_ms(step)}  ({_ms(self.baseline_step_ms)} + {_ms(self.recompute_ms)} recompute"
+            + (f" + {_ms(self.dispatch_ms)} selective mode" if self.dispatch_ms > 0 else "")
+            + f", {100 * self.overhead:.1f}% overhead)",
             f"  solver               {solver} (build {self.build_s:.2f} s, solve {self.solve_s:.2f} s)",
         ]
         if self.min_feasible_bytes is not None:

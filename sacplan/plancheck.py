@@ -17,7 +17,7 @@ from sacplan.fqns import inside
 #: Keys of one decision object and of the plan object (``Plan.to_dict``); any other key is refused (typos).
 DECISION_KEYS = frozenset(
     {"fqn", "checkpoint", "discard_ratio", "discard_bytes", "recompute_ms", "recompute_flops", "saved_ops", "calls",
-     "preserve_rng_state"}
+     "preserve_rng_state", "dispatch_ms"}
 )
 PLAN_KEYS = frozenset(
     {
@@ -127,6 +127,7 @@ def check_decisions(decisions: Any, resolve: Callable[[str], bool]) -> None:
         _float(f"{w}.discard_ratio", d["discard_ratio"], lambda x: 0.0 <= x <= 1.0, "a number in [0, 1]")
         _int(f"{w}.discard_bytes", d["discard_bytes"], 0)
         _finite_nonneg(f"{w}.recompute_ms", d["recompute_ms"])
+        _finite_nonneg(f"{w}.dispatch_ms", d.get("dispatch_ms", 0.0))
         _int(f"{w}.recompute_flops", d.get("recompute_flops", 0), 0)
         _int(f"{w}.calls", d.get("calls", 1), 1)
         _check_saved_ops(w, d.get("saved_ops"), resolve)

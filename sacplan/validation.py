@@ -104,14 +104,16 @@ class ValidationReport:
     grads_compared: bool = True
     predicted_baseline_step_ms: float | None = None
     kernel_noise: float = 0.0
+    #: host ms the plan's selective regions add (:mod:`sacplan.sacmode`), part of :attr:`predicted_step_ms`
+    predicted_dispatch_ms: float = 0.0
 
     @property
     def predicted_step_ms(self) -> float | None:
-        """Estimated step time with the plan: the no-plan estimate plus the plan's recompute ms (``None`` on CPU,
-        whose wall time is not compared with an estimate)."""
+        """Estimated step time with the plan: the no-plan estimate plus the plan's recompute ms and its selective
+        regions' dispatch (``None`` on CPU, whose wall time is not compared with an estimate)."""
         if self.predicted_baseline_step_ms is None:
             return None
-        return self.predicted_baseline_step_ms + self.predicted_recompute_ms
+        return self.predicted_baseline_step_ms + self.predicted_recompute_ms + self.predicted_dispatch_ms
 
     @property
     def measured_recompute_flops(self) -> int | None:
@@ -417,6 +419,7 @@ def validate(
         predicted_peak_bytes=pred.peak_bytes,
         predicted_recompute_flops=pred.recompute_flops,
         predicted_recompute_ms=pred.recompute_ms,
+        predicted_dispatch_ms=pred.dispatch_ms,
         plan_predicted_peak_bytes=getattr(plan, "predicted_peak_bytes", None),
         grads_bitwise_equal=bitwise,
         max_grad_abs_diff=max_diff,

@@ -127,6 +127,8 @@ def module_options(
     recompute_stop: int | None = None,
     max_options: int | None = 16,
     solver: str = "cbc",
+    selective_frac: float = 0.0,
+    full_selective: bool = False,
 ) -> ModuleOptions:
     """Options of one module: its exact Pareto front of save lists (:func:`~sacplan.solver.front.pareto_front`), at
     most ``max_options``.
@@ -141,6 +143,10 @@ def module_options(
     A module with more than :data:`DP_MAX_GROUPS` free op groups (a stage holding many blocks) is not given the
     dynamic programme when ``ratios`` are passed: its options are the exact knapsacks of :func:`select_ops` at
     those discard ratios (the trade-off's greedy vertices), and ``complete`` is False.
+
+    ``selective_frac``: the selective mode's dispatch per call (:func:`sacplan.sacmode.dispatch_ms`) as a fraction of
+    ``R``, added to every save list's cost, and to the full checkpoint's when it runs selective too
+    (``full_selective``): a save list that does not beat the plain full checkpoint by more is dominated.
     """
     ops = tuple(ops)
     A = int(max_discard_bytes)
@@ -163,6 +169,8 @@ def module_options(
             slacks = _sampled(GreedyFill(ops, saved_groups, free, stop), ratios, A, solver)
             pts += [(min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R), sel)
                     for sel in slacks if A - sel.saved_bytes >= 0]
+    if selective_frac > 0:
+        pts = [(r, q + (selective_frac if sel is not None or full_selective else 0.0), sel) for r, q, sel in pts]
     # Pareto front: by ratio descending, keep strictly cheaper options. On a tie a save list beats the plain full
     # checkpoint: it names the free ops (the module's output op) that a full checkpoint would recompute; an
     # empty save list is the full checkpoint itself.
@@ -178,7 +186,7 @@ def module_options(
         complete = False
         kept = [kept[k] for k in thin_front([(p[0], p[1]) for p in kept], max(2, max_options))]
     if any(isinstance(p[2], _Pending) for p in kept):
-        kept = _realise(ops, kept, saved_groups, free, stop, A, R)
+        kept = _realise(ops, kept, saved_groups, free, stop, A, R, selective_frac)
     slack = max([0.0] + [slacks.get(p[2], 0.0) for p in kept if p[2] is not None])
     return ModuleOptions(
         ratio=tuple(p[0] for p in kept),
@@ -263,10 +271,11 @@ class _Pending:
 
 def _realise(
     ops: Sequence[OpStat], kept: list, saved_groups: Sequence[OpGroup], free: Sequence[OpGroup], stop: int, A: int,
-    R: float,
+    R: float, selective_frac: float = 0.0,
 ) -> list[tuple[float, float, OpSelection | None]]:
     """The kept options with their selections built and priced exactly (``math.fsum`` over the recomputed ops, as
-    every selection is); an option the exact prices show dominated (equal ratio or no cheaper, at 1e-12) goes."""
+    every selection is, plus ``selective_frac``); an option the exact prices show dominated (equal ratio or no
+    cheaper, at 1e-12) goes."""
     always = {p for g in saved_groups for p in g.members}
     out: list[tuple[float, float, OpSelection | None]] = []
     for r, q, sel in kept:
@@ -276,7 +285,7 @@ def _realise(
                 if sel.mask >> i & 1:
                     saved.update(g.members)
             sel = selection_of(ops, saved, stop, False)
-            r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R)
+            r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R) + selective_frac
         out.append((r, q, sel))
     res: list[tuple[float, float, OpSelection | None]] = []
     for p in sorted(out, key=lambda p: (-p[0], p[1])):  # ratio descending: keep strictly cheaper ones

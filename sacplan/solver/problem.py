@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from sacplan.evaluate import rng_copy_bytes
+from sacplan.sacmode import dispatch_ms, full_runs_selective
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.candidates import Candidate, relaxed_candidate, select_candidates
 from sacplan.solver.ops import ModuleOptions, module_options
@@ -174,7 +175,9 @@ class SacProblem:
         t = st.tradeoff
         out: ModuleOptions | None = None
         if st.ops and t is not None and t.full_recompute_ms > 0:
-            key = ("opts", c.max_discard_bytes, c.recompute_ms, st.ops, st.recompute_stop)
+            # a save list runs under the selective mode, whose dispatch the step pays (sacplan.sacmode)
+            sel_frac, full_sel = dispatch_ms(st, self.tree.stats.device) / c.recompute_ms, full_runs_selective(st)
+            key = ("opts", c.max_discard_bytes, c.recompute_ms, st.ops, st.recompute_stop, sel_frac, full_sel)
             out = self._options.get(key)  # type: ignore[call-overload]
             if out is None:
                 out = module_options(
@@ -185,6 +188,8 @@ class SacProblem:
                     recompute_stop=st.recompute_stop or None,
                     max_options=self.max_options,
                     solver=lp_solver(self._solver),
+                    selective_frac=sel_frac,
+                    full_selective=full_sel,
                 )
                 self._options[key] = out  # type: ignore[index]
         self._options[slot] = out

@@ -15,6 +15,7 @@ import numpy as np
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.opgroups import forced_saves
 from sacplan.plan import ModuleDecision
+from sacplan.sacmode import dispatch_ms, full_runs_selective
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.candidates import Candidate
 from sacplan.solver.knapsack import OpSelection
@@ -79,7 +80,10 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
     assert t is not None
     A = c.max_discard_bytes
     sel, ratio = _selection(problem, c, ratio, opts)
-    if sel is None and ratio >= 1.0 - 1e-12:
+    full = sel is None and ratio >= 1.0 - 1e-12
+    # the selective mode's dispatch, as the exact options charge it (ratio-only decisions run selective too)
+    dispatch = c.calls * dispatch_ms(st, problem.tree.stats.device) if not full or full_runs_selective(st) else 0.0
+    if full:
         return ModuleDecision(
             fqn=c.fqn,
             discard_ratio=1.0,
@@ -89,6 +93,7 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
             saved_ops=forced_saves(st.ops, st.recompute_stop),
             calls=c.calls,
             preserve_rng_state=st.draws_random,
+            dispatch_ms=dispatch,
         )
     if sel is not None:
         discard = A - sel.saved_bytes  # >= A·ratio by the byte budget of the selection
@@ -102,6 +107,7 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
             saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
             calls=c.calls,
             preserve_rng_state=st.draws_random,
+            dispatch_ms=dispatch,
         )
     # ratio-only decision: whole bytes, rounded up
     discard = int(math.ceil(ratio * A))
@@ -115,4 +121,5 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
         saved_ops=forced_saves(st.ops, st.recompute_stop),
         calls=c.calls,
         preserve_rng_state=st.draws_random,
+        dispatch_ms=dispatch,
     )

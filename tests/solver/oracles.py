@@ -62,8 +62,11 @@ def antichains(tree, cands):
             yield combo
 
 
-def subsets(ops, A, R):
-    """(r, q) of every subset of non-view ops saved within A bytes, plus the full checkpoint (1, 1)."""
+def subsets(ops, A, R, dispatch_ms=0.0):
+    """(r, q) of every subset of non-view ops saved within A bytes, plus the full checkpoint (1, 1).
+
+    ``dispatch_ms``: what a selective region costs per call beyond a plain one; every subset is priced with it, the
+    full checkpoint (plain) without (modules without buffers or forced saves)."""
     free = [o for o in ops if not o.is_view]
     total_ms = sum(o.runtime_ms for o in ops)
     out = [(1.0, 1.0)]
@@ -72,7 +75,7 @@ def subsets(ops, A, R):
             saved = sum(o.save_cost_bytes for o in S)
             if saved > A:
                 continue
-            out.append(((A - saved) / A, (total_ms - sum(o.runtime_ms for o in S)) / R))
+            out.append(((A - saved) / A, (total_ms - sum(o.runtime_ms for o in S) + dispatch_ms) / R))
     return out
 
 
