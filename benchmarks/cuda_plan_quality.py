@@ -67,10 +67,13 @@ def prepare(args: argparse.Namespace) -> None:
             ours.save(out / f"{stem}.sacplan.json")
             row = {"case": name, "alternative": make.removesuffix("_plan"), "file": f"{stem}.json", "sacplan": f"{stem}.sacplan.json",
                    "alt_peak": pred.peak_bytes, "alt_recompute_ms": pred.recompute_ms, "sacplan_peak": ours.predicted_peak_bytes,
-                   "sacplan_recompute_ms": ours.recompute_ms, "no_plan_peak": stats.peak_bytes, "step_ms": stats.step_ms}
+                   "sacplan_recompute_ms": ours.recompute_ms, "no_plan_peak": stats.peak_bytes, "step_ms": stats.step_ms,
+                   # estimated extra step time: recomputation plus the selective mode's dispatch (sacplan.sacmode)
+                   "alt_extra_ms": pred.recompute_ms + pred.dispatch_ms, "sacplan_extra_ms": ours.extra_ms}
             index.append(row)
-            print(f"{name:9s} {row['alternative']:22s} peak {pred.peak_bytes / MiB:9.1f} MiB rc {pred.recompute_ms:7.2f} ms | "
-                  f"sacplan {ours.predicted_peak_bytes / MiB:9.1f} MiB rc {ours.recompute_ms:7.2f} ms", flush=True)
+            print(f"{name:9s} {row['alternative']:22s} peak {pred.peak_bytes / MiB:9.1f} MiB rc {pred.recompute_ms:7.2f} ms "
+                  f"extra {row['alt_extra_ms']:7.2f} ms | sacplan {ours.predicted_peak_bytes / MiB:9.1f} MiB rc "
+                  f"{ours.recompute_ms:7.2f} ms extra {ours.extra_ms:7.2f} ms", flush=True)
     (out / "index.json").write_text(json.dumps(index, indent=1))
 
 
@@ -139,11 +142,13 @@ def measure(args: argparse.Namespace) -> None:
             continue
         base = res["none"][0]
         print(f"\n{name} ({time.perf_counter() - t0:.0f} s; no plan {base:.1f} ms, peak {res['none'][3] / MiB:.0f} MiB)")
-        print(f"{'variant':<38} {'pred rc ms':>10} {'meas extra ms':>13} {'spread ms':>13} {'peak MiB':>9}")
+        print(f"{'variant':<38} {'pred rc ms':>10} {'pred extra':>10} {'meas extra ms':>13} {'spread ms':>13} {'peak MiB':>9}")
         for r in (r for r in rows if r["case"] == name):
-            for v, rc in ((r["alternative"], r["alt_recompute_ms"]), (r["alternative"] + " -> sacplan", r["sacplan_recompute_ms"])):
+            for v, who in ((r["alternative"], "alt"), (r["alternative"] + " -> sacplan", "sacplan")):
                 med, lo, hi, peak = res[v]
-                print(f"{v:<38} {rc:>10.1f} {med - base:>+13.1f} {lo - base:>+6.1f}..{hi - base:<+6.1f} {peak / MiB:>9.0f}")
+                rc, ex = r[f"{who}_recompute_ms"], r.get(f"{who}_extra_ms", r[f"{who}_recompute_ms"])
+                print(f"{v:<38} {rc:>10.1f} {ex:>10.1f} {med - base:>+13.1f} {lo - base:>+6.1f}..{hi - base:<+6.1f} "
+                      f"{peak / MiB:>9.0f}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -224,6 +224,7 @@ def _row(name: str, label: str, case: dict, plan: Any, r: Any, dev_name: str) ->
         "predicted_recompute_flops": r.predicted_recompute_flops, "measured_recompute_flops": r.measured_recompute_flops,
         "predicted_baseline_step_ms": r.predicted_baseline_step_ms, "predicted_step_ms": r.predicted_step_ms,
         "plan_recompute_ms": plan.recompute_ms, "plan_baseline_step_ms": plan.baseline_step_ms,
+        "plan_dispatch_ms": getattr(plan, "dispatch_ms", 0.0), "host_dispatch_ms": r.predicted_dispatch_ms,
         "measured_baseline_step_ms": r.baseline.step_ms, "measured_step_ms": r.planned.step_ms,
         "compiled": r.compiled, "grads_bitwise": r.grads_bitwise_equal, "grads_match": r.grads_match, "max_grad_diff": r.max_grad_abs_diff,
     }
