@@ -171,5 +171,6 @@ def show_plan(model: nn.Module, plan: Plan | None = None) -> str:
         f"# {n} module{'s' if n != 1 else ''} checkpointed: predicted peak {_size(plan.predicted_peak_bytes)} "
         f"of {_size(plan.budget_bytes)} budget ({_size(plan.baseline_peak_bytes)} without), "
         f"+{plan.recompute_ms:.3g} ms recompute per step on {plan.device_name or 'the target'}"
+        + (f" (+{plan.dispatch_ms:.3g} ms selective mode)" if plan.dispatch_ms > 0 else "")
     )
     return "\n".join(lines)
