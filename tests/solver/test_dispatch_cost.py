@@ -18,7 +18,7 @@ from sacplan import baseline_peak
 from sacplan.solver import min_feasible_budget, solve
 from sacplan.solver.ops import module_options
 from sacplan.testing.synthetic import H100, MiB, Spec, build_tree, ops_from_rows
-from tests.solver.oracles import antichains, oracle, pareto_points, random_option_spec, subsets
+from tests.solver.oracles import brute_over_options, oracle, pareto_points, random_option_spec, subsets
 
 D = 0.05  # ms per op and pass, large against the synthetic ops (0.05-3 ms) so that it changes plans
 
@@ -91,15 +91,19 @@ def test_solve_equals_brute_force_with_dispatch():
         tree = build_tree(random_option_spec(random.Random(seed)), device=device)
         cands, base, C, X = oracle(tree, None)
         baseline = float(np.max(base))
-        if not cands or _min_peak(tree, cands, base, C, X) >= baseline - 2:
+        if not cands:
+            continue
+        _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+        if min_peak >= baseline - 2:
             continue  # nothing to plan
         fronts = [pareto_points(subsets(n.stats.ops, n.stats.tradeoff.max_discard_bytes,
                                         n.stats.tradeoff.full_recompute_ms, dispatch_ms=D * 2 * len(n.stats.ops)))
                   for n in cands]
-        budget = int(baseline - 1 - 0.5 * (baseline - 1 - _min_peak(tree, cands, base, C, X)))
+        budget = int(baseline - 1 - 0.5 * (baseline - 1 - min_peak))
         plan = solve(tree, f"{budget}B", gap_rel=1e-9, max_options=None)
         assert plan.status == "optimal"
-        assert plan.objective_ms == pytest.approx(_brute(tree, cands, base, C, X, budget, fronts), rel=1e-7, abs=1e-9)
+        best, _ = brute_over_options(tree, cands, base, C, X, budget, fronts)
+        assert plan.objective_ms == pytest.approx(best, rel=1e-7, abs=1e-9)
         assert plan.extra_ms == pytest.approx(plan.objective_ms, rel=1e-9, abs=1e-9)
         for dec in plan.decisions:
             n = next(c for c in cands if c.fqn == dec.fqn)
@@ -107,29 +111,6 @@ def test_solve_equals_brute_force_with_dispatch():
             assert dec.dispatch_ms == pytest.approx(want)
         checked += 1
     assert checked >= 20
-
-
-def _min_peak(tree, cands, base, C, X) -> float:
-    return min(float(np.max(base - C @ np.array([1.0 if j in combo else 0.0 for j in range(len(cands))])
-                            + (X[:, list(combo)].sum(axis=1) if combo else 0.0)))
-               for combo in antichains(tree, cands))
-
-
-def _brute(tree, cands, base, C, X, budget, fronts) -> float:
-    import itertools
-
-    best = math.inf
-    for combo in antichains(tree, cands):
-        extra = X[:, list(combo)].sum(axis=1) if combo else 0.0
-        for choice in itertools.product(*[fronts[j] for j in combo]):
-            r = np.zeros(len(cands))
-            cost = 0.0
-            for j, (rj, qj) in zip(combo, choice):
-                r[j] = rj
-                cost += len(cands[j].stats.act_bytes) * cands[j].stats.tradeoff.full_recompute_ms * qj
-            if float(np.max(base - C @ r + extra)) <= budget:
-                best = min(best, cost)
-    return best
 
 
 def test_device_defaults_and_bad_values():
