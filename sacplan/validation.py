@@ -19,6 +19,7 @@ choices are evaluated on those stats with :func:`sacplan.evaluate.predict`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -37,6 +38,7 @@ from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
+from sacplan.compiled_partition import partitioned_step
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
 from sacplan.compiled_saves import with_compiled_saves
 from sacplan.compiling import compile_choice, compile_model
@@ -454,24 +456,37 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
         )
     blocks = repeated_blocks(stats)
     how = compile_choice(compile, blocks)
+    regions = blocks if how == "blocks" else ("",)
+    replayed = how is not None and layout_optimized(_region_convolutions(build, regions), dev.type)
     if how is not None:
-        stats = _compiled_stats(build, raw_inputs, stats, spec, dev, opt_factory, loss, blocks if how == "blocks" else ("",))
+        stats = _compiled_stats(build, raw_inputs, stats, spec, opt_factory, loss, regions, replayed)
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
     if missing:
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
-    return _HostPrediction(stats, predict(tree, choices), blocks, how)
+    prediction = predict(tree, choices)
+    if how is not None and not replayed:
+        # without a plan: the fake step of Inductor's partitioned graphs (sacplan.compiled_partition)
+        partitioned = partitioned_step(build, raw_inputs, regions, device=spec,
+                                       optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+        prediction = dataclasses.replace(prediction, baseline_peak_bytes=partitioned.peak_bytes)
+    return _HostPrediction(stats, prediction, blocks, how)
 
 
-def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, dev: torch.device,
-                    opt_factory: Any, loss: Callable[..., torch.Tensor], regions: tuple[str, ...]) -> Any:
-    """The stats of the step as Inductor compiles it: where the compiled regions hold convolutions Inductor runs
-    channels-last, a second fake step with its layout copies replayed (:mod:`sacplan.compiled_layout`); and what
-    a planned compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
+def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str]) -> list[tuple[tuple[int, ...], int]]:
+    """The 2-D convolutions inside the compiled regions (:func:`~sacplan.compiled_layout.region_convolutions`),
+    from a model built on ``meta``."""
     with torch.device("meta"):
-        convs = region_convolutions(build(), regions)
-    replayed = layout_optimized(convs, dev.type)
+        return region_convolutions(build(), regions)
+
+
+def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, opt_factory: Any,
+                    loss: Callable[..., torch.Tensor], regions: tuple[str, ...], replayed: bool) -> Any:
+    """The stats a plan is evaluated on for the step as Inductor compiles it: where the compiled regions hold
+    convolutions Inductor runs channels-last (``replayed``), a second fake step with its layout copies replayed
+    (:mod:`sacplan.compiled_layout`); and what a planned compiled region saves beyond eager
+    (:mod:`sacplan.compiled_saves`)."""
     if replayed:
         stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
                         optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
