@@ -72,6 +72,8 @@ def main() -> None:
                   f"{r.predicted_baseline_peak_bytes / 2**20:.3f} | {r.baseline.peak_bytes / 2**20:.3f} | {r.baseline_peak_error:+.2%} | "
                   f"{r.predicted_peak_bytes / 2**20:.3f} | {r.planned.peak_bytes / 2**20:.3f} | {r.peak_error:+.2%} | {grads} |",
                   flush=True)
+            print(f"<!-- {n} bytes, predicted / measured: no plan {r.predicted_baseline_peak_bytes} / {r.baseline.peak_bytes}, "
+                  f"with plan {r.predicted_peak_bytes} / {r.planned.peak_bytes} -->", flush=True)
         except Exception as e:  # report and go on: the table is what matters
             print(f"| {n} | {args.budget} | — | — | — | — | — | — | — | {type(e).__name__}: {str(e)[:300]} | |", flush=True)
         print(f"<!-- {n}: {time.perf_counter() - t0:.1f} s -->", flush=True)

@@ -1,25 +1,26 @@
 """Inductor's forward/backward partition of each compiled region, replayed in the fake step.
 
 What a compiled region holds from its forward to its backward is not what its eager forward saves: AOTAutograd
-traces the region's joint forward+backward graph (with Inductor's decompositions and joint-graph passes) and
-Inductor's min-cut partitioner (``torch._inductor.compile_fx.partition_fn``) chooses which forward values the
-backward graph reads; cheap pointwise values are recomputed in the backward instead of saved, and a
-decomposition's intermediates replace the eager kernels' saves (measured on a tiny Llama block: 1.65 MB saved
-where eager saves 1.90 MB; on two blocks the step peaked 18% under the eager prediction).
+traces the region's joint forward+backward graph with Inductor's decompositions, and Inductor's partition
+function (``torch._inductor.compile_fx.partition_fn``: its joint-graph passes, then the min-cut partitioner)
+chooses which forward values the backward graph reads; cheap pointwise values are recomputed in the backward
+instead of saved, and a decomposition's values replace the eager kernels' saves (a tiny Llama block: 1.46 MB
+saved where eager saves 1.90 MB; with two blocks the compiled step peaked 18% under the eager prediction).
 
 :func:`trace_partitions` traces each region once on fake tensors (a fake forward of the model gives each
-region's arguments), through ``aot_function`` with Inductor's decompositions and partitioner; the forward and
-backward graphs are kept as FX graphs run op by op (no code is generated). :func:`replay_partitions` then makes
-each region of a freshly built model call its partitioned graphs, so that a fake step
-(:func:`sacplan.collect`) allocates, saves and frees what the compiled graphs do: the region's saved values
-live from its forward to its backward, each intermediate until its last use (FX frees values after their last
-reader). What the replay does not see: Inductor's fusion of pointwise chains inside one graph (a fused kernel
-allocates only its output: the replay's transient inside a region is an upper bound) and its layout choices
-(:mod:`sacplan.compiled_layout`, which is why regions with convolutions keep that model instead).
+region's arguments) through ``aot_function`` with Inductor's decompositions and partition function; no code is
+generated. :func:`replay_partitions` makes each region of a freshly built model run its partitioned graphs with
+:class:`BufferReplay`, Inductor's buffer model: only what Inductor stores in buffers is allocated (extern
+kernels such as matmuls and what they read, reductions, graph outputs), pointwise ops are computed inside their
+readers' kernels, a kernel may write into a same-sized input it reads last, and every buffer is freed after its
+last reader. A fake step (:func:`sacplan.collect`) of that model allocates, saves and frees what the compiled
+graphs do (:func:`partitioned_step`). Not modelled: Inductor's layout choices (regions with convolutions keep
+:mod:`sacplan.compiled_layout`), its scheduler's reordering for peak memory and fusions beyond the rules above.
 
-Used for the step without a plan (:func:`sacplan.validation.validate` with ``compile=...``): a plan's
-checkpoint inside a compiled region is traced by Dynamo as a higher-order op with its policy's tags, which
-``aot_function`` alone does not reproduce; planned steps keep :mod:`sacplan.compiled_saves`.
+Used for the step without a plan (:func:`sacplan.validation.validate` with ``compile=...``). A plan's
+checkpoint inside a compiled region is traced by Dynamo as a higher-order operator whose recomputation the
+partitioner places in the backward graph; traced here without Dynamo, the partition differs (it under-predicted
+the planned tiny Llama by 8%), so planned steps keep :mod:`sacplan.compiled_saves`, a bound.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def _trace(module: nn.Module, args: tuple, kwargs: dict) -> Partitioned:
     """``module`` traced on fake ``args`` / ``kwargs`` with Inductor's decompositions and partitioner."""
     from torch._functorch.aot_autograd import aot_function
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
 
     graphs: dict[str, torch.fx.GraphModule] = {}
     inductor_partition = _inductor_partition()
@@ -127,8 +129,6 @@ def _trace(module: nn.Module, args: tuple, kwargs: dict) -> Partitioned:
     call = aot_function(functional, fw_compiler=compiler, bw_compiler=compiler,
                         partition_fn=partition, decompositions=select_decomp_table(),
                         num_params_buffers=len(params) + len(buffers))
-    from torch._inductor.virtualized import V
-
     fake_mode = next((t.fake_mode for t in (*params.values(), *buffers.values()) if hasattr(t, "fake_mode")), None)
     # traced as under torch.compile (torch.compiler.is_compiling()): a planned region takes its compiled path, a
     # selective policy that tags every op (sacplan.apply), full checkpoints included
