@@ -8,10 +8,12 @@
 Compiling in place keeps module names, so a plan applied before compiling (torchtitan's order: checkpointing,
 then compile) is found and removed as usual. A block whose forward is PyTorch's own (``nn.Sequential``) is
 compiled through a frame of sacplan's (``Module.compile()`` alone would leave it eager). What compile changes in
-memory, and how :func:`sacplan.validation.validate` predicts it: :mod:`sacplan.compiled_layout` (Inductor's
-channels-last copies for convolutions) and :mod:`sacplan.compiled_saves` (what a planned compiled region saves
-beyond eager). Inductor's fusion and its partitioner's recomputation where no plan decides are not modelled:
-they only lower the compiled peak (see ``benchmarks/RESULTS.md`` for measured figures).
+memory, and how :func:`sacplan.validation.validate` predicts it: :mod:`sacplan.compiled_partition` (what
+Inductor's partitioner saves and which buffers its kernels allocate, replayed in a fake step: the step without a
+plan), :mod:`sacplan.compiled_layout` (Inductor's channels-last copies for convolutions) and
+:mod:`sacplan.compiled_saves` (what a planned compiled region saves beyond eager; the partitioner's
+recomputation around a plan is not modelled: it only lowers the compiled peak). Measured figures:
+``benchmarks/RESULTS.md``, "Compiled steps".
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ choices are evaluated on those stats with :func:`sacplan.evaluate.predict`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -37,6 +39,7 @@ from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
+from sacplan.compiled_partition import partitioned_step
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
 from sacplan.compiled_saves import with_compiled_saves
 from sacplan.compiling import compile_choice, compile_model
@@ -378,10 +381,14 @@ def validate(
             before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
         compile: run both steps compiled with Inductor (:mod:`sacplan.compiling`): ``True`` compiles each
             repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
-            choose. The plan is applied before compiling. The prediction is for the compiled step: the eager
-            step's with Inductor's layout copies replayed and what a planned compiled region saves beyond eager
-            (:mod:`sacplan.compiled_layout`, :mod:`sacplan.compiled_saves`); fusion is not modelled, so compiled
-            steps peak at or below it (measured on CPU: 0-29% below). Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
+            choose. The plan is applied before compiling. The prediction is for the compiled step. Without the
+            plan: a fake step running Inductor's own forward/backward partition of each compiled region with its
+            buffer model (:mod:`sacplan.compiled_partition`; measured on CPU within 0.6% and at or above the
+            compiled step), or, for regions with convolutions Inductor lays out channels-last, the eager step with
+            those copies replayed (:mod:`sacplan.compiled_layout`). With the plan: the plan's evaluation on the
+            eager step's stats with what a planned compiled region saves beyond eager
+            (:mod:`sacplan.compiled_saves`), a bound (measured 0-29% above the compiled step: the partitioner's
+            recomputation around a plan is not modelled). Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
             nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
             all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
             draw different ones.
@@ -457,24 +464,48 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
         )
     blocks = repeated_blocks(stats)
     how = compile_choice(compile, blocks)
+    regions = blocks if how == "blocks" else ("",)
+    replayed = how is not None and layout_optimized(_region_convolutions(build, regions), dev.type)
     if how is not None:
-        stats = _compiled_stats(build, raw_inputs, stats, spec, dev, opt_factory, loss, blocks if how == "blocks" else ("",))
+        stats = _compiled_stats(build, raw_inputs, stats, spec, opt_factory, loss, regions, replayed)
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
     if missing:
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
-    return _HostPrediction(stats, predict(tree, choices), blocks, how)
+    prediction = predict(tree, choices)
+    if how is not None and not replayed:
+        prediction = dataclasses.replace(prediction, baseline_peak_bytes=_partitioned_peak(
+            build, raw_inputs, regions, spec, opt_factory, loss, prediction.baseline_peak_bytes))
+    return _HostPrediction(stats, prediction, blocks, how)
 
 
-def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, dev: torch.device,
-                    opt_factory: Any, loss: Callable[..., torch.Tensor], regions: tuple[str, ...]) -> Any:
-    """The stats of the step as Inductor compiles it: where the compiled regions hold convolutions Inductor runs
-    channels-last, a second fake step with its layout copies replayed (:mod:`sacplan.compiled_layout`); and what
-    a planned compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
+def _partitioned_peak(build: Callable[[], nn.Module], raw_inputs: Inputs, regions: tuple[str, ...], spec: DeviceSpec,
+                      opt_factory: Any, loss: Callable[..., torch.Tensor], eager_peak: int) -> int:
+    """The compiled step's peak without a plan (bytes): the fake step of Inductor's partitioned graphs
+    (:mod:`sacplan.compiled_partition`); ``eager_peak`` (a bound) with a warning where they cannot be traced."""
+    try:
+        return partitioned_step(build, raw_inputs, regions, device=spec,
+                                optimizer=False if opt_factory is None else opt_factory, loss_fn=loss).peak_bytes
+    except Exception as e:  # a region AOTAutograd cannot trace on fakes: the eager bound still holds
+        warnings.warn(f"compiled regions could not be traced for the prediction ({type(e).__name__}: {str(e)[:200]}); "
+                      "predicting the step without a plan from the eager step (an upper bound)", stacklevel=3)
+        return eager_peak
+
+
+def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str]) -> list[tuple[tuple[int, ...], int]]:
+    """The 2-D convolutions inside the compiled regions (:func:`~sacplan.compiled_layout.region_convolutions`),
+    from a model built on ``meta``."""
     with torch.device("meta"):
-        convs = region_convolutions(build(), regions)
-    replayed = layout_optimized(convs, dev.type)
+        return region_convolutions(build(), regions)
+
+
+def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, opt_factory: Any,
+                    loss: Callable[..., torch.Tensor], regions: tuple[str, ...], replayed: bool) -> Any:
+    """The stats a plan is evaluated on for the step as Inductor compiles it: where the compiled regions hold
+    convolutions Inductor runs channels-last (``replayed``), a second fake step with its layout copies replayed
+    (:mod:`sacplan.compiled_layout`); and what a planned compiled region saves beyond eager
+    (:mod:`sacplan.compiled_saves`)."""
     if replayed:
         stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
                         optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)

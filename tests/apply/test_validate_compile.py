@@ -71,7 +71,8 @@ def test_compiled_steps_stay_under_the_prediction():
     assert "4 repeated blocks compiled one by one (inductor)" in r.summary()
     # the plan saves layer norms: under compile each also keeps its normalized input (sacplan.compiled_saves)
     assert r.predicted_peak_bytes > eager.predicted_peak_bytes
-    assert r.predicted_baseline_peak_bytes == eager.predicted_baseline_peak_bytes
+    # without a plan: Inductor's partition replayed (sacplan.compiled_partition) saves no more than eager here
+    assert r.predicted_baseline_peak_bytes <= eager.predicted_baseline_peak_bytes
     # measured <= predicted, within 3%, without and with the plan (2026-11-26: -0.00% and -0.18%; before the
     # compiled prediction the planned step measured 1.70% above the eager prediction)
     assert -0.03 <= r.baseline_peak_error <= 0, r.summary()
