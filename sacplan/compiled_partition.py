@@ -25,9 +25,10 @@ the planned tiny Llama by 8%), so planned steps keep :mod:`sacplan.compiled_save
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -104,6 +105,23 @@ def _number_checkpoints(joint: torch.fx.GraphModule) -> None:
         previous = tagged
 
 
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` answers True inside (torch's own session context where it has one; older
+    releases read the same module flag without a context for it)."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = getattr(torch.compiler, "_is_compiling_flag", False)
+    torch.compiler._is_compiling_flag = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old  # type: ignore[attr-defined]
+
+
 def _trace(module: nn.Module, args: tuple, kwargs: dict) -> Partitioned:
     """``module`` traced on fake ``args`` / ``kwargs`` with Inductor's decompositions and partitioner."""
     from torch._functorch.aot_autograd import aot_function
@@ -132,8 +150,7 @@ def _trace(module: nn.Module, args: tuple, kwargs: dict) -> Partitioned:
     fake_mode = next((t.fake_mode for t in (*params.values(), *buffers.values()) if hasattr(t, "fake_mode")), None)
     # traced as under torch.compile (torch.compiler.is_compiling()): a planned region takes its compiled path, a
     # selective policy that tags every op (sacplan.apply), full checkpoints included
-    with V.set_fake_mode(fake_mode or FakeTensorMode(allow_non_fake_inputs=True)), \
-            torch.compiler._compile_session_context():
+    with V.set_fake_mode(fake_mode or FakeTensorMode(allow_non_fake_inputs=True)), _compiling():
         out = call(params, buffers, *args, **kwargs)
     del out
     if "fw" not in graphs:
