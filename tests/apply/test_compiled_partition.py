@@ -88,6 +88,16 @@ def test_partitioned_step_of_an_mlp_is_the_eager_step():
     assert abs(replayed.peak_bytes - eager.peak_bytes) <= 256
 
 
+def test_traces_on_torch_releases_without_the_session_context(monkeypatch):
+    """torch 2.11 has no ``torch.compiler._compile_session_context`` (a real H200 run fell back to the eager bound):
+    the trace sets the flag ``is_compiling()`` reads itself, and saves the same."""
+    x = torch.randn(32, 64)
+    with_context = trace_partitions(_mlp, (x,), ["0"])["0"].saved_bytes
+    monkeypatch.delattr(torch.compiler, "_compile_session_context")
+    assert trace_partitions(_mlp, (x,), ["0"])["0"].saved_bytes == with_context
+    assert not torch.compiler.is_compiling()  # the flag is put back
+
+
 def _encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.1, batch_first=True)
     return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
