@@ -18,8 +18,7 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from sacplan.solver import limits, progress
-from sacplan.solver.highs import solve_highs
+from sacplan.solver import backends, limits, progress
 from sacplan.solver.model import (
     INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveInterrupted, SolveResult, relative_gap, relaxed,
     with_bounds,
@@ -179,7 +178,7 @@ class _CountSearch:
             return
         sub = with_bounds(self.model, lb, ub)
         try:
-            lp = solve_highs(relaxed(sub), RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
+            lp = backends.solve_highs(relaxed(sub), RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
         except SolveInterrupted:
             self.stack.append((lb, ub, parent_bound))
             self.stop = limits.WALL_CLOCK
@@ -212,7 +211,7 @@ class _CountSearch:
             opts["objective_bound"] = self.best + max(self.run.gap_abs, 1e-9 * abs(self.best))
         try:
             with progress.within(self.best, self.open_bound()):
-                res = solve_highs(sub, dataclasses.replace(self.run, time_limit_s=self.left(), warm_start=ws,
+                res = backends.solve_highs(sub, dataclasses.replace(self.run, time_limit_s=self.left(), warm_start=ws,
                                                            node_limit=self.nodes_left()), opts)
         except SolveInterrupted as e:
             leaf = e.result
