@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from sacplan.solver.model import MilpModel, relaxed_with_fixed
+from sacplan.solver.model import MilpModel, relaxed
 from sacplan.solver.problem import SacProblem
 from sacplan.timeline import BW, FW, OTHER, RC
 from sacplan.units import GiB
@@ -200,7 +200,7 @@ def decision_from(problem: SacProblem, idx: MilpIndex, x: Sequence[float]) -> tu
 
 def fix_y(model: MilpModel, idx: MilpIndex, y: np.ndarray) -> MilpModel:
     """The LP relaxation of ``model`` with every checkpoint flag fixed to ``y`` (the ratios left free)."""
-    return relaxed_with_fixed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
+    return relaxed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
 
 
 Rc = tuple[int, tuple[tuple[int, float], ...], float, int]

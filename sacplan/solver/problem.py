@@ -308,15 +308,17 @@ class SacProblem:
             groups.setdefault(key, []).append(c.slot)
         return sorted(groups.items(), key=lambda kv: kv[1][0])
 
+    def ancestors(self, slot: int) -> list[int]:
+        """The candidate slots ``slot`` lies inside, nearest first (smaller slots: pre-order)."""
+        out, p = [], self.candidates[slot].parent_slot
+        while p >= 0:
+            out.append(p)
+            p = self.candidates[p].parent_slot
+        return out
+
     def nesting_ok(self, y: Sequence[float]) -> bool:
-        for c in self.candidates:
-            if y[c.slot] > 0.5:
-                p = c.parent_slot
-                while p >= 0:
-                    if y[p] > 0.5:
-                        return False
-                    p = self.candidates[p].parent_slot
-        return True
+        """No checkpointed candidate lies inside another."""
+        return not any(y[c.slot] > 0.5 and any(y[p] > 0.5 for p in self.ancestors(c.slot)) for c in self.candidates)
 
     def lower_bound_peak(self) -> float:
         """A quick lower bound of the smallest achievable peak: every candidate fully discarded at once
