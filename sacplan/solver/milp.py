@@ -27,7 +27,7 @@ import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
-from sacplan.solver import limits
+from sacplan.solver import limits, strategies
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import build_budget_model
 from sacplan.solver.judge import Verdict, judge
@@ -121,8 +121,8 @@ def _recompute_lower_bound(
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
 
-    def infeasible() -> InfeasibleBudgetError:
-        return InfeasibleBudgetError(budget_bytes, solve_min_peak(SacProblem(tree, world_size, ac_units, fsdp_units), opts)[0])
+    def infeasible() -> InfeasibleBudgetError:  # the smallest feasible budget of the exact problem
+        return strategies.infeasible(SacProblem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
 
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget_bytes:
         raise infeasible()
