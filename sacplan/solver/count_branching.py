@@ -1,6 +1,7 @@
 """Branching on the count columns of classes of identical candidates (how many blocks are checkpointed, how many
 reach each option level), whose LP relaxation is weak only in *how many*: once a count is fixed the LP bound is
-(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds:
+(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds,
+branching alike (:func:`_branch`: the first fractional count, the nearer side first):
 
 * :func:`prove_by_lp_branching`: proves an incumbent optimal with LP relaxations alone (any back-end), before
   any MILP; it gives up where a node would need one;
@@ -26,8 +27,6 @@ from sacplan.solver.model import (
 
 #: one node of the search: (lower bounds, upper bounds, LP bound of the parent node)
 Node = tuple[dict[int, float], dict[int, float], float]
-#: column bounds of a node: (lower, upper) by column
-Bounds = tuple[dict[int, float], dict[int, float]]
 
 
 def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
@@ -35,9 +34,11 @@ def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
     return next((j for j in cols if abs(x[j] - round(x[j])) > 1e-6), None)
 
 
-def _children(lb: dict[int, float], ub: dict[int, float], j: int, v: float) -> tuple[Bounds, Bounds]:
-    """The two nodes of branching column ``j`` at its fractional value ``v``: ``x_j ≤ ⌊v⌋`` and ``x_j ≥ ⌈v⌉``."""
-    return (lb, {**ub, j: float(math.floor(v))}), ({**lb, j: float(math.ceil(v))}, ub)
+def _branch(lb: dict[int, float], ub: dict[int, float], j: int, v: float, bound: float) -> list[Node]:
+    """The two nodes of branching column ``j`` at its fractional value ``v`` (``x_j ≤ ⌊v⌋`` and ``x_j ≥ ⌈v⌉``, each
+    with its parent's LP ``bound``) in stack order: the side nearer ``v`` is popped first, by both searches."""
+    down, up = (lb, {**ub, j: float(math.floor(v))}, bound), ({**lb, j: float(math.ceil(v))}, ub, bound)
+    return [up, down] if v - math.floor(v) < 0.5 else [down, up]
 
 
 def prove_by_lp_branching(
@@ -64,10 +65,10 @@ def prove_by_lp_branching(
     tol = max(gap_abs, gap_rel * abs(best))
     t0 = time.perf_counter()
     closed: list[float] = []
-    stack: list[tuple[dict[int, float], dict[int, float]]] = [({}, {})]
+    stack: list[Node] = [({}, {}, -INF)]
     nodes = 0
     while stack:
-        lb, ub = stack.pop()
+        lb, ub, _ = stack.pop()
         if nodes == 0 and root_bound is not None:
             obj = root_bound
             if best - obj <= tol:
@@ -88,8 +89,7 @@ def prove_by_lp_branching(
         frac = _fractional(res.x, branch_cols)
         if frac is None:
             return None
-        down, up = _children(lb, ub, frac, res.x[frac])
-        stack += [down, up]  # the up side first
+        stack += _branch(lb, ub, frac, res.x[frac], res.objective)
     bound = min([best] + closed)
     return SolveResult(
         OPTIMAL, list(incumbent), best, bound, relative_gap(best, bound), time.perf_counter() - t0, solver_name,
@@ -196,10 +196,7 @@ class _CountSearch:
             return
         frac = _fractional(lp.x, self.order)
         if frac is not None and self.nodes < max_nodes:
-            v = lp.x[frac]
-            (dl, du), (ul, uu) = _children(lb, ub, frac, v)
-            down, up = (dl, du, lp.objective), (ul, uu, lp.objective)
-            self.stack += [up, down] if v - math.floor(v) < 0.5 else [down, up]  # the nearer side first
+            self.stack += _branch(lb, ub, frac, lp.x[frac], lp.objective)
             return
         self.leaf(sub, lp)
 

@@ -1,19 +1,10 @@
 """The public entry points of the solver: which modules to checkpoint and what fraction of each one's activations to
 discard (:func:`solve`), the smallest feasible budget, a lower bound on recompute, the no-checkpointing peak.
 
-:func:`solve` is a pipeline, read top to bottom in :func:`_solve`:
-
-1. the problem: :class:`~sacplan.solver.problem.SacProblem` reads a :class:`~sacplan.tree.ModuleTree` once (the
-   memory Timeline with per-rank scaling, the candidates, their exact options) and evaluates any decision in bytes;
-2. the strategies (:func:`~sacplan.solver.strategies.find`): the tree DP, else the budget MILP (heuristic
-   incumbent, LP proof or branch-and-bound, no-good cuts; :mod:`sacplan.solver.budget_milp`), the min-peak plan
-   at the feasibility edge — all under the call's deterministic work limit and its wall-clock safety net
-   (:mod:`sacplan.solver.limits`);
-3. the judge (:func:`~sacplan.solver.judge.judge`): exact bytes, repair, realisation as op save lists;
-4. the :class:`~sacplan.plan.Plan`.
-
-The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters the same problem through
-:mod:`sacplan.solver.compat`.
+:func:`solve` is the pipeline of :mod:`sacplan.solver`, read top to bottom in :func:`_solve`: the problem
+(:class:`~sacplan.solver.problem.SacProblem`), the strategies (:func:`~sacplan.solver.strategies.find`) under the
+call's limits (:mod:`sacplan.solver.limits`), the judge (:func:`~sacplan.solver.judge.judge`), the
+:class:`~sacplan.plan.Plan`.
 """
 
 from __future__ import annotations
