@@ -203,6 +203,7 @@ def fix_y(model: MilpModel, idx: MilpIndex, y: np.ndarray) -> MilpModel:
     return relaxed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
 
 
+#: an rc event's row: (kc, ((slot, bytes added), ...), need, surge slot); an interleaved event's: (kf, kb, ...)
 Rc = tuple[int, tuple[tuple[int, float], ...], float, int]
 Mixed = tuple[int, int, tuple[tuple[int, float], ...], float, int]
 
@@ -235,7 +236,7 @@ def _select_events(
 
 def _slack(problem: SacProblem, budget: float | None) -> float:
     """What checkpointing's per-call overheads can add at most (bytes): events within it of the budget stay
-    (``-inf`` for the min-peak model, ``budget`` None: every event stays)."""
+    (``inf`` for the min-peak model, ``budget`` None: every event stays)."""
     if budget is None:
         return math.inf
     return max(float(problem.fw_over.sum()), float(problem.bw_over.sum()))
