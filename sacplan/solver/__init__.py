@@ -12,8 +12,7 @@
 * the Plan.
 
 Beneath: the formulation (``formulation``), the solver-neutral model (``model``: also Ctrl-C's
-``SolveInterrupted``), the back-ends (``backends``: ``cbc``, ``highs``, HiGHS's count branching
-``count_branching``), the settings (``options``), the limits (``limits``: the deterministic work budget, the
+``SolveInterrupted``), the back-ends (``backends``: CBC and HiGHS; HiGHS's count branching ``count_branching``), the settings (``options``), the limits (``limits``: the deterministic work budget, the
 wall-clock safety net) and the progress lines (``progress``). Beside the pipeline: ``certify`` (how good can any
 plan be) and ``compat`` (PyTorch's ``sac_milp`` signature; its Graph enters the same problem and budget MILP
 through an adapter).

@@ -1,26 +1,37 @@
-"""MILP back-ends: which solver runs a :class:`~sacplan.solver.model.MilpModel`, and the call that runs it.
+"""MILP back-ends: which solver runs a :class:`~sacplan.solver.model.MilpModel`, and the two that can.
 
 :func:`solve_model` hands the model to
 
-* ``"cbc"``: COIN-OR CBC through PuLP (:mod:`sacplan.solver.cbc`);
-* ``"highs"``: HiGHS through ``highspy`` (:mod:`sacplan.solver.highs`).
+* ``"cbc"``: COIN-OR CBC, the binary bundled with PuLP, through PuLP's ``COIN_CMD`` (:func:`solve_cbc`): branching
+  priorities handed over natively (``priorityIn``), CBC's log read for the best bound and gap PuLP does not report;
+* ``"highs"``: HiGHS through ``highspy``, the matrix passed in one call (:func:`solve_highs`); it has no branching
+  priorities: :func:`~sacplan.solver.count_branching.branch_on_priorities` branches on those columns itself.
 
 Both return a :class:`~sacplan.solver.model.SolveResult` with a normalised status, objective, best bound,
-relative gap and wall seconds. Runs are deterministic: one thread unless asked otherwise, fixed random seeds.
-:func:`check_solver` normalises a solver name; :func:`lp_solver` picks the solver for auxiliary LPs.
+relative gap and wall seconds. Runs are deterministic: one thread unless asked otherwise, fixed random seeds, a
+node limit as the work limit (the time limit is only the safety net). :func:`check_solver` normalises a solver
+name; :func:`lp_solver` picks the solver for auxiliary LPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from sacplan.errors import SolverError
-from sacplan.solver import limits
-from sacplan.solver.cbc import cbc_path, solve_cbc
-from sacplan.solver.count_branching import branch_on_priorities
-from sacplan.solver.highs import solve_highs
-from sacplan.solver.model import OPTIMAL, MilpModel, RunSettings, SolveResult
+from sacplan.solver import count_branching, limits, progress
+from sacplan.solver.model import (
+    ERROR, INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveInterrupted, SolveResult, relative_gap,
+)
 
 #: Solver names :func:`solve_model` accepts.
 SOLVERS = ("cbc", "highs")
@@ -136,7 +147,7 @@ def _run(
                 res = solve_highs(model, run)
                 return dataclasses.replace(res, log=f"CBC failed ({first}); solved with HiGHS\n" + res.log)
     if priorities and any(model.col_int):
-        return branch_on_priorities(model, priorities, run, highs_options)
+        return count_branching.branch_on_priorities(model, priorities, run, highs_options)
     return solve_highs(model, run, highs_options)
 
 
@@ -150,3 +161,371 @@ def lp_solver(solver: str) -> str:
         return "highs"
     except ImportError:  # pragma: no cover - depends on the environment
         return solver
+
+
+# -- CBC -----------------------------------------------------------------------------------------------------------
+def cbc_path() -> str | None:
+    """PuLP's bundled CBC binary when it is there and executable, else ``cbc`` on ``PATH`` (None: neither)."""
+    import pulp
+
+    path = getattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", None)
+    if path and os.path.exists(path) and os.access(path, os.X_OK):
+        return path
+    return shutil.which("cbc")
+
+
+_FLOAT = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|-inf|nan)"
+#: what :func:`_parse_cbc_log` reads: key -> (pattern, conversion, whether the last match counts rather than the first)
+_CBC_LOG = {
+    "result": (r"^Result - (.*)$", str.strip, False),
+    "bound": (r"^Lower bound:\s+" + _FLOAT, float, False),
+    # search summary lines give the bound when CBC stops inside its gap tolerance
+    "best_possible": (r"best possible " + _FLOAT, float, True),
+    "exit_gap_abs": (r"Exiting as integer gap of " + _FLOAT, float, True),
+    "nodes": (r"^Enumerated nodes:\s+(\d+)", int, False),
+}
+
+
+def _parse_cbc_log(text: str) -> dict[str, Any]:
+    """Result line, best bound, nodes and how the search ended, from a CBC log (PuLP does not return them)."""
+    out: dict[str, Any] = {}
+    for key, (pattern, conv, last) in _CBC_LOG.items():
+        found = re.findall(pattern, text, re.M)
+        if found:
+            out[key] = conv(found[-1 if last else 0])
+    out["search_completed"] = "Search completed - best objective" in text
+    return out
+
+
+def solve_cbc(
+    model: MilpModel, run: RunSettings, priorities: Mapping[int, int] | None = None, extra_options: Sequence[str] = ()
+) -> SolveResult:
+    """Solve ``model`` with PuLP's CBC under ``run`` (``priorities``: branching priorities per integer column;
+    ``extra_options``: raw CBC command-line options)."""
+    import pulp
+
+    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
+    prob, cols = _pulp_problem(model)
+    if warm_start is not None:
+        for v, x0 in zip(cols, warm_start):
+            v.setInitialValue(float(x0), check=False)
+    options = [
+        "randomCbcSeed 1",
+        "randomSeed 1",
+        f"primalTolerance {feas_tol:g}",
+        f"integerTolerance {max(feas_tol, 1e-9):g}",
+    ]
+    if run.node_limit is not None:
+        options.append(f"maxNodes {max(1, int(run.node_limit))}")  # counted: the same stop on every run
+    options += list(extra_options)
+    with tempfile.TemporaryDirectory(prefix="sacplan_cbc_") as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        if priorities:
+            # PuLP renames columns X0000000.. in the order of prob.variables() (sorted by name) when it
+            # writes the MPS file; map our columns to those names.
+            mps_name = {v.name: "X%07d" % i for i, v in enumerate(prob.variables())}
+            prio_path = os.path.join(tmp, "priorities.csv")
+            with open(prio_path, "w") as f:
+                f.write("name,priority\n")
+                for j, pr in sorted(priorities.items()):
+                    if cols[j].name in mps_name:
+                        f.write(f"{mps_name[cols[j].name]},{int(pr)}\n")
+            options.append(f"priorityIn {prio_path}")
+        cmd = pulp.COIN_CMD(
+            path=cbc_path(),
+            msg=False,
+            timeLimit=None if time_limit_s is None else max(0.01, float(time_limit_s)),
+            gapRel=gap_rel,
+            gapAbs=gap_abs,
+            threads=threads,  # None: CBC's serial default (deterministic)
+            warmStart=warm_start is not None,
+            logPath=log_path,
+            options=options,
+        )
+        cmd.tmpDir = tmp
+        t0 = time.perf_counter()
+        try:
+            prob.solve(cmd)
+        except KeyboardInterrupt:
+            # CBC runs as a child process under its own time limit; its result is lost with the temp dir
+            raise SolveInterrupted(None) from None
+        except pulp.PulpSolverError as e:
+            raise SolverError(f"CBC failed: {e}; CBC log tail: {_read(log_path)[-600:]!r}") from e
+        solve_s = time.perf_counter() - t0
+        log = _read(log_path)
+    return _cbc_result(model, prob, cols, log, solve_s)
+
+
+def _read(path: str) -> str:
+    """The text of the file at ``path`` ("" when it cannot be read: CBC died before writing its log)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _pulp_problem(model: MilpModel) -> tuple[Any, list[Any]]:
+    """``model`` as a PuLP problem and its columns, in order (one affine expression per row, PuLP's fast path)."""
+    import pulp
+
+    prob = pulp.LpProblem(model.name, pulp.LpMinimize)
+    make_var = getattr(prob, "add_variable", None) or pulp.LpVariable  # PuLP >= 3.3: no deprecation warning
+    cols = [
+        make_var(
+            f"c{j:07d}",
+            None if lb == -INF else lb,
+            None if ub == INF else ub,
+            pulp.LpInteger if integer else pulp.LpContinuous,
+        )
+        for j, (lb, ub, integer) in enumerate(zip(model.col_lb, model.col_ub, model.col_int))
+    ]
+    prob.setObjective(
+        pulp.LpAffineExpression([(cols[j], c) for j, c in enumerate(model.col_cost) if c != 0.0], constant=0.0)
+    )
+    for i in range(model.num_rows):
+        idx, val = model.row(i)
+        lb, ub = model.row_lb[i], model.row_ub[i]
+        expr = [(cols[j], v) for j, v in zip(idx, val)]
+        if not expr:
+            continue
+        name = f"r{i:07d}"
+        if lb == ub:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ, name, lb))
+            continue
+        if lb != -INF:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE, name + "l", lb))
+        if ub != INF:
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintLE, name + "u", ub))
+    return prob, cols
+
+
+def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s: float) -> SolveResult:
+    """The normalised :class:`SolveResult` of a finished CBC run, from PuLP's status and CBC's ``log``."""
+    import pulp
+
+    info = _parse_cbc_log(log)
+    result = info.get("result", "")
+    has_x = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    x = [float(v.varValue) if v.varValue is not None else 0.0 for v in cols] if has_x else None
+    if x is not None:
+        # CBC presolve may leave columns that appear in no row at an arbitrary bound value.
+        for j, v in enumerate(cols):
+            if v.varValue is None:
+                x[j] = min(max(0.0, model.col_lb[j]), model.col_ub[j])
+    objective = model.evaluate(x) if x is not None else INF
+    if result.startswith("Optimal") or (prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal):
+        status = OPTIMAL
+        if "bound" in info:
+            bound = info["bound"]
+        elif "exit_gap_abs" in info:
+            bound = objective - info["exit_gap_abs"]
+        elif info.get("search_completed") or "best_possible" not in info:
+            bound = objective
+        else:
+            bound = min(objective, info["best_possible"])
+        bound = min(bound, objective)
+    elif "infeasible" in result.lower() or prob.status == pulp.LpStatusInfeasible:
+        status, bound, objective = INFEASIBLE, INF, INF
+        x = None
+    elif result.startswith("Stopped on time") or "time" in result.lower() or "node" in result.lower():
+        status = TIME_LIMIT
+        bound = info.get("bound", info.get("best_possible", -INF))
+        if x is not None:
+            bound = min(bound, objective)
+    elif x is not None:
+        status, bound = TIME_LIMIT, info.get("bound", -INF)
+    else:
+        status, bound = ERROR, -INF
+    if x is None and status == TIME_LIMIT:
+        objective = INF
+    gap = relative_gap(objective, bound) if x is not None else INF
+    low = result.lower()
+    stopped_by = limits.WORK_LIMIT if "node" in low else limits.WALL_CLOCK if "time" in low else ""
+    return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log,
+                       nodes=int(info.get("nodes", 0)), stopped_by=stopped_by)
+
+
+# -- HiGHS ---------------------------------------------------------------------------------------------------------
+#: True once this process has built a ``highspy.Highs`` (its banner is printed only then)
+_HIGHS_STARTED = False
+
+
+def _new_highs() -> Any:
+    """A ``highspy.Highs``; the first of a process is built with file descriptor 1 pointed at /dev/null, since
+    HiGHS prints its banner from C++ on first construction, before ``output_flag`` can be set (it would land
+    in the middle of the CLI's plan, or in a user's own output)."""
+    global _HIGHS_STARTED
+    import highspy
+
+    if _HIGHS_STARTED:
+        return highspy.Highs()
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real stdout (embedded interpreters): let it print
+        _HIGHS_STARTED = True
+        return highspy.Highs()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    _HIGHS_STARTED = True
+    return h
+
+
+def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, Any] | None = None) -> SolveResult:
+    """Solve ``model`` with in-process HiGHS under ``run`` (``highs_options``: extra HiGHS options)."""
+    import highspy
+
+    h = _highs_configured(run, highs_options)
+    # kWarning is returned for valid models with tiny coefficients (HiGHS drops them); only kError is fatal.
+    if h.passModel(_highs_lp(model)) == highspy.HighsStatus.kError:
+        raise SolverError("HiGHS rejected the model (passModel failed)")
+    if run.warm_start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = [float(v) for v in run.warm_start]
+        sol.value_valid = True
+        h.setSolution(sol)
+    t0 = time.perf_counter()
+    interrupted = _highs_wait(h)
+    solve_s = time.perf_counter() - t0
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    has_x = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    x = list(h.getSolution().col_value) if has_x else None
+    objective = model.evaluate(x) if x is not None else INF
+    if (
+        not interrupted
+        and any(model.col_int)
+        and ms == highspy.HighsModelStatus.kOptimal
+        and run.warm_start is not None
+        and x is not None
+        and objective - float(info.objective_function_value) > max(run.gap_abs, 1e-9 * max(1.0, abs(objective)))
+    ):
+        # HiGHS 1.16 can report a better MIP objective than the solution vector it returns, which is then the
+        # warm start handed in (seen when presolve settles the model): the better vector is lost, so solve again
+        # without the warm start.
+        res = solve_highs(model, dataclasses.replace(run, warm_start=None), highs_options)
+        return dataclasses.replace(res, solve_s=res.solve_s + solve_s, log="HiGHS re-run without the warm start: its "
+                                   "solution vector was the warm start, not the better objective it reported")
+    res = _highs_result(model, ms, info, h.modelStatusToString(ms), x, objective, solve_s)
+    if interrupted:
+        raise SolveInterrupted(res)
+    return res
+
+
+def _highs_wait(h: Any) -> bool:
+    """Run a prepared ``highspy.Highs`` in its solver thread, reporting progress; True when Ctrl-C stopped it
+    (the caller reads the best solution and raises :class:`~sacplan.solver.model.SolveInterrupted`)."""
+    stop = [False]
+    seen = [math.inf, -math.inf, math.inf]
+
+    def on_interrupt(e: Any) -> None:
+        d = e.data_out
+        try:
+            seen[0], seen[1], seen[2] = d.mip_primal_bound, d.mip_dual_bound, d.mip_gap
+        except AttributeError:  # pragma: no cover - older highspy
+            pass
+        if stop[0]:
+            e.interrupt()
+
+    for event in (h.cbMipInterrupt, h.cbSimplexInterrupt, h.cbIpmInterrupt):
+        event.subscribe(on_interrupt)
+    interrupted = False
+    thread = h.startSolve()
+    while True:
+        try:
+            done, _ = h.wait(0.2)
+            if done:
+                break
+            inc, bnd = seen[0], seen[1]
+            if math.isfinite(inc) and abs(inc) < 1e29:
+                progress.report(inc, bnd if abs(bnd) < 1e29 else -math.inf, seen[2] if abs(seen[2]) < 1e29 else math.inf)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop[0] = True
+    thread.join()
+    return interrupted
+
+
+def _highs_configured(run: RunSettings, highs_options: Mapping[str, Any] | None) -> Any:
+    """A fresh ``highspy.Highs`` with ``run``'s settings: one thread and a fixed seed unless asked otherwise
+    (deterministic), the gaps, tolerances, node limit (deterministic) and time limit (the safety net)."""
+    time_limit_s, gap_rel, gap_abs, threads, _, feas_tol = run.fields()
+    h = _new_highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("random_seed", 1)
+    h.setOptionValue("threads", int(threads) if threads else 1)
+    h.setOptionValue("mip_rel_gap", float(gap_rel))
+    h.setOptionValue("mip_abs_gap", float(gap_abs))
+    h.setOptionValue("primal_feasibility_tolerance", max(feas_tol, 1e-10))
+    h.setOptionValue("mip_feasibility_tolerance", max(feas_tol, 1e-10))
+    if time_limit_s is not None:
+        h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+    if run.node_limit is not None:
+        h.setOptionValue("mip_max_nodes", max(1, int(run.node_limit)))
+    for k, v in (highs_options or {}).items():
+        h.setOptionValue(k, v)
+    return h
+
+
+def _highs_lp(model: MilpModel) -> Any:
+    """``model`` as a ``highspy.HighsLp`` (rowwise matrix, integrality when any column is integer)."""
+    import highspy
+
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_ = model.num_cols
+    lp.num_row_ = model.num_rows
+    lp.col_cost_ = np.asarray(model.col_cost, dtype=float)
+    lp.col_lower_ = np.asarray([(-inf if v == -INF else v) for v in model.col_lb], dtype=float)
+    lp.col_upper_ = np.asarray([(inf if v == INF else v) for v in model.col_ub], dtype=float)
+    lp.row_lower_ = np.asarray([(-inf if v == -INF else v) for v in model.row_lb], dtype=float)
+    lp.row_upper_ = np.asarray([(inf if v == INF else v) for v in model.row_ub], dtype=float)
+    lp.offset_ = float(model.obj_offset)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.num_col_ = model.num_cols
+    lp.a_matrix_.num_row_ = model.num_rows
+    lp.a_matrix_.start_ = np.asarray(model.row_start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(model.row_index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(model.row_value, dtype=float)
+    if any(model.col_int):
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous for b in model.col_int
+        ]
+    return lp
+
+
+def _highs_result(model: MilpModel, ms: Any, info: Any, raw: str, x: list[float] | None, objective: float,
+            solve_s: float) -> SolveResult:
+    """The normalised :class:`SolveResult` of a finished HiGHS run (model status ``ms``, ``info``)."""
+    import highspy
+
+    status_of = highspy.HighsModelStatus
+    mip = any(model.col_int)
+    if ms == status_of.kOptimal:
+        status = OPTIMAL
+        bound = float(info.mip_dual_bound) if mip else objective
+        bound = min(bound, objective)
+    elif ms == status_of.kInfeasible:
+        status, x, objective, bound = INFEASIBLE, None, INF, INF
+    elif ms in (status_of.kTimeLimit, status_of.kInterrupt, status_of.kSolutionLimit, status_of.kIterationLimit):
+        status = TIME_LIMIT
+        bound = float(info.mip_dual_bound) if mip else -INF
+        if x is not None:
+            bound = min(bound, objective)
+    else:
+        status, bound = (TIME_LIMIT if x is not None else ERROR), (float(info.mip_dual_bound) if mip else -INF)
+    gap = relative_gap(objective, bound) if x is not None else INF
+    stopped_by = ""
+    if ms in (status_of.kSolutionLimit, status_of.kIterationLimit):
+        stopped_by = limits.WORK_LIMIT  # mip_max_nodes: counted, the same on every run
+    elif ms == status_of.kTimeLimit:
+        stopped_by = limits.WALL_CLOCK
+    nodes = int(info.mip_node_count) if mip and int(info.mip_node_count) > 0 else 0
+    return SolveResult(status, x, objective, bound, gap, solve_s, "highs", raw, nodes=nodes, stopped_by=stopped_by)

@@ -89,8 +89,7 @@ def select_candidates(
                 f"module {n.fqn!r}: its trade-off needs as many slopes as intercepts (and at least one line)"
             )
         env = envelope(t.slopes, t.intercepts)
-        act = tuple(int(a) for a in n.stats.act_bytes) or (int(t.max_discard_bytes),)
-        act = tuple(act[c] if c < len(act) else act[-1] for c in range(calls))
+        act = _act_per_call(n.stats, calls)
         over, min_ratio = overheads[ni]
         out.append(
             Candidate(
@@ -185,16 +184,21 @@ def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[f
     minimum are offered: this cuts off dominated choices only, and keeps running sums of discards
     monotone (what lets the MILP's event selection, :mod:`sacplan.solver.formulation`, drop dominated
     events)."""
-    t = ms.tradeoff
-    assert t is not None
-    act = tuple(int(a) for a in ms.act_bytes) or (int(t.max_discard_bytes),)
     held = ms.held_input_bytes
     over = tuple(ck_overhead + float(held[c] if c < len(held) else 0) for c in range(calls))
-    acts = [act[c] if c < len(act) else act[-1] for c in range(calls)]
+    acts = _act_per_call(ms, calls)
     # a call that frees nothing but keeps overhead (a module called twice, one call keeping no activations)
     # has no useful ratio: infinity, so the module is skipped as keeping more than it frees
     ratios = [(o / a if a > 0 else float("inf")) if o > 0 else 0.0 for a, o in zip(acts, over)]
     return over, max(ratios, default=0.0)
+
+
+def _act_per_call(ms: ModuleStats, calls: int) -> tuple[int, ...]:
+    """Discardable bytes per call ``A_{i,c}`` (a call past those collected: the last one's; none collected: the
+    trade-off's ``A``)."""
+    assert ms.tradeoff is not None
+    act = tuple(int(a) for a in ms.act_bytes) or (int(ms.tradeoff.max_discard_bytes),)
+    return tuple(act[c] if c < len(act) else act[-1] for c in range(calls))
 
 
 def relaxed_candidate(tree: ModuleTree, c: Candidate) -> Candidate:

@@ -1,6 +1,7 @@
 """Branching on the count columns of classes of identical candidates (how many blocks are checkpointed, how many
 reach each option level), whose LP relaxation is weak only in *how many*: once a count is fixed the LP bound is
-(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds:
+(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds,
+branching alike (:func:`_branch`: the first fractional count, the nearer side first):
 
 * :func:`prove_by_lp_branching`: proves an incumbent optimal with LP relaxations alone (any back-end), before
   any MILP; it gives up where a node would need one;
@@ -18,8 +19,7 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from sacplan.solver import limits, progress
-from sacplan.solver.highs import solve_highs
+from sacplan.solver import backends, limits, progress
 from sacplan.solver.model import (
     INF, INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, RunSettings, SolveInterrupted, SolveResult, relative_gap, relaxed,
     with_bounds,
@@ -27,8 +27,6 @@ from sacplan.solver.model import (
 
 #: one node of the search: (lower bounds, upper bounds, LP bound of the parent node)
 Node = tuple[dict[int, float], dict[int, float], float]
-#: column bounds of a node: (lower, upper) by column
-Bounds = tuple[dict[int, float], dict[int, float]]
 
 
 def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
@@ -36,9 +34,11 @@ def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
     return next((j for j in cols if abs(x[j] - round(x[j])) > 1e-6), None)
 
 
-def _children(lb: dict[int, float], ub: dict[int, float], j: int, v: float) -> tuple[Bounds, Bounds]:
-    """The two nodes of branching column ``j`` at its fractional value ``v``: ``x_j ≤ ⌊v⌋`` and ``x_j ≥ ⌈v⌉``."""
-    return (lb, {**ub, j: float(math.floor(v))}), ({**lb, j: float(math.ceil(v))}, ub)
+def _branch(lb: dict[int, float], ub: dict[int, float], j: int, v: float, bound: float) -> list[Node]:
+    """The two nodes of branching column ``j`` at its fractional value ``v`` (``x_j ≤ ⌊v⌋`` and ``x_j ≥ ⌈v⌉``, each
+    with its parent's LP ``bound``) in stack order: the side nearer ``v`` is popped first, by both searches."""
+    down, up = (lb, {**ub, j: float(math.floor(v))}, bound), ({**lb, j: float(math.ceil(v))}, ub, bound)
+    return [up, down] if v - math.floor(v) < 0.5 else [down, up]
 
 
 def prove_by_lp_branching(
@@ -65,10 +65,10 @@ def prove_by_lp_branching(
     tol = max(gap_abs, gap_rel * abs(best))
     t0 = time.perf_counter()
     closed: list[float] = []
-    stack: list[tuple[dict[int, float], dict[int, float]]] = [({}, {})]
+    stack: list[Node] = [({}, {}, -INF)]
     nodes = 0
     while stack:
-        lb, ub = stack.pop()
+        lb, ub, _ = stack.pop()
         if nodes == 0 and root_bound is not None:
             obj = root_bound
             if best - obj <= tol:
@@ -89,8 +89,7 @@ def prove_by_lp_branching(
         frac = _fractional(res.x, branch_cols)
         if frac is None:
             return None
-        down, up = _children(lb, ub, frac, res.x[frac])
-        stack += [down, up]  # the up side first
+        stack += _branch(lb, ub, frac, res.x[frac], res.objective)
     bound = min([best] + closed)
     return SolveResult(
         OPTIMAL, list(incumbent), best, bound, relative_gap(best, bound), time.perf_counter() - t0, solver_name,
@@ -179,7 +178,7 @@ class _CountSearch:
             return
         sub = with_bounds(self.model, lb, ub)
         try:
-            lp = solve_highs(relaxed(sub), RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
+            lp = backends.solve_highs(relaxed(sub), RunSettings(self.left(), 0.0, 0.0, self.run.threads, None, self.run.feas_tol))
         except SolveInterrupted:
             self.stack.append((lb, ub, parent_bound))
             self.stop = limits.WALL_CLOCK
@@ -197,10 +196,7 @@ class _CountSearch:
             return
         frac = _fractional(lp.x, self.order)
         if frac is not None and self.nodes < max_nodes:
-            v = lp.x[frac]
-            (dl, du), (ul, uu) = _children(lb, ub, frac, v)
-            down, up = (dl, du, lp.objective), (ul, uu, lp.objective)
-            self.stack += [up, down] if v - math.floor(v) < 0.5 else [down, up]  # the nearer side first
+            self.stack += _branch(lb, ub, frac, lp.x[frac], lp.objective)
             return
         self.leaf(sub, lp)
 
@@ -212,7 +208,7 @@ class _CountSearch:
             opts["objective_bound"] = self.best + max(self.run.gap_abs, 1e-9 * abs(self.best))
         try:
             with progress.within(self.best, self.open_bound()):
-                res = solve_highs(sub, dataclasses.replace(self.run, time_limit_s=self.left(), warm_start=ws,
+                res = backends.solve_highs(sub, dataclasses.replace(self.run, time_limit_s=self.left(), warm_start=ws,
                                                            node_limit=self.nodes_left()), opts)
         except SolveInterrupted as e:
             leaf = e.result

@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from sacplan.solver.model import MilpModel, relaxed_with_fixed
+from sacplan.solver.model import MilpModel, relaxed
 from sacplan.solver.problem import SacProblem
 from sacplan.timeline import BW, FW, OTHER, RC
 from sacplan.units import GiB
@@ -84,23 +84,9 @@ class MilpIndex:
 
 def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, MilpIndex, bool]:
     """The budget MILP (minimise recompute ms). Returns (model, index, trivially_infeasible)."""
-    fw, bw, rc, other, pruned = _select_events(problem, budget)
-    mixed = _select_mixed(problem, budget)
-    model = MilpModel(name="sacplan_sac")
-    idx = MilpIndex(pruned_events=pruned, kept_events=len(fw) + len(bw) + len(rc) + len(mixed))
-    idx.pruned_events -= len(mixed)
-    _base_columns(problem, model, idx, with_cost=True)
+    model, idx, (fw, bw, rc, other, mixed), (Fcol, Gcol) = _event_model(problem, budget)
     infeasible = other > 0 or any(kc == 0 and nd > 0 for kc, nd in fw) or any(
         kc == len(problem.bw_slot) and nd > 0 for kc, nd in bw
-    )
-    Fcol, Gcol = _sums(
-        problem,
-        model,
-        idx,
-        [kc for kc, _ in fw] + [kf for kf, *_ in mixed],
-        [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []),
-        {kc: nd / GiB for kc, nd in fw},
-        {kc: nd / GiB for kc, nd in bw},
     )
     for j, (kc, terms, nd, ss) in enumerate(rc):
         ind, val = _added(problem, idx, terms, ss)
@@ -113,18 +99,7 @@ def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, M
 
 def build_min_peak_model(problem: SacProblem) -> tuple[MilpModel, MilpIndex]:
     """The MILP minimising the predicted peak P (GiB) under the same structural constraints."""
-    fw, bw, rc, other, pruned = _select_events(problem, None)
-    mixed = _select_mixed(problem, None)
-    model = MilpModel(name="sacplan_minpeak")
-    idx = MilpIndex(pruned_events=pruned - len(mixed), kept_events=len(fw) + len(bw) + len(rc) + len(mixed))
-    _base_columns(problem, model, idx, with_cost=False)
-    lbP = max([0.0, other / GiB if other > -math.inf else 0.0])
-    idx.P = model.add_col("P", lbP, math.inf, False, 1.0)
-    Fcol, Gcol = _sums(
-        problem,
-        model, idx, [kc for kc, _ in fw] + [kf for kf, *_ in mixed],
-        [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []), {}, {}
-    )
+    model, idx, (fw, bw, rc, _, mixed), (Fcol, Gcol) = _event_model(problem, None)
     for j, (kf, kb, terms, base, ss) in enumerate(mixed):
         ind, val = _mixed_row(problem, idx, Fcol, Gcol, kf, kb, terms, ss)
         model.add_row(f"pm{j}_{kf}_{kb}", ind + [idx.P], val + [1.0], lb=base / GiB)
@@ -136,6 +111,29 @@ def build_min_peak_model(problem: SacProblem) -> tuple[MilpModel, MilpIndex]:
         ind, val = _added(problem, idx, terms, ss)
         model.add_row(f"pr{j}_{kc}", [Gcol[kc], idx.P] + ind, [1.0, 1.0] + [-v for v in val], lb=base / GiB)
     return model, idx
+
+
+def _event_model(problem: SacProblem, budget: float | None) -> tuple[MilpModel, MilpIndex, tuple, tuple]:
+    """The columns both models share: the candidates' (:func:`_base_columns`; with costs at a ``budget``), the peak
+    ``P`` (min-peak model, ``budget`` None) and the running sums the kept events read. Returns the model, its
+    index, the kept events ``(fw, bw, rc, other, mixed)`` (needs in bytes) and the running-sum columns."""
+    fw, bw, rc, other, pruned = _select_events(problem, budget)
+    mixed = _select_mixed(problem, budget)
+    model = MilpModel(name="sacplan_sac" if budget is not None else "sacplan_minpeak")
+    idx = MilpIndex(pruned_events=pruned - len(mixed), kept_events=len(fw) + len(bw) + len(rc) + len(mixed))
+    _base_columns(problem, model, idx, with_cost=budget is not None)
+    if budget is None:
+        idx.P = model.add_col("P", max(0.0, other / GiB if other > -math.inf else 0.0), math.inf, False, 1.0)
+    lbs = ({kc: nd / GiB for kc, nd in fw}, {kc: nd / GiB for kc, nd in bw}) if budget is not None else ({}, {})
+    Fcol = running_columns(problem, model, idx, "F", [kc for kc, _ in fw] + [kf for kf, *_ in mixed], lbs[0],
+                           forward=True)
+    idx.F.extend(Fcol.items())
+    Gcol = running_columns(
+        problem, model, idx, "G",
+        [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []), lbs[1],
+        forward=False)
+    idx.G.extend(Gcol.items())
+    return model, idx, (fw, bw, rc, other, mixed), (Fcol, Gcol)
 
 
 def columns_for(
@@ -202,12 +200,17 @@ def decision_from(problem: SacProblem, idx: MilpIndex, x: Sequence[float]) -> tu
 
 def fix_y(model: MilpModel, idx: MilpIndex, y: np.ndarray) -> MilpModel:
     """The LP relaxation of ``model`` with every checkpoint flag fixed to ``y`` (the ratios left free)."""
-    return relaxed_with_fixed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
+    return relaxed(model, {j: float(y[s]) for s, j in enumerate(idx.y)})
+
+
+#: an rc event's row: (kc, ((slot, bytes added), ...), need, surge slot); an interleaved event's: (kf, kb, ...)
+Rc = tuple[int, tuple[tuple[int, float], ...], float, int]
+Mixed = tuple[int, int, tuple[tuple[int, float], ...], float, int]
 
 
 def _select_events(
     problem: SacProblem, budget: float | None
-) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[int, tuple[tuple[int, float], ...], float, int]], float, int]:
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[Rc], float, int]:
     """Constraints that remain after pruning and dominance.
 
     Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
@@ -216,93 +219,81 @@ def _select_events(
     the largest ``other`` need, and the number of events dropped. ``need`` is
     ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
     """
-    b = 0.0 if budget is None else float(budget)
-    need = problem.ev_base - b
+    need = problem.ev_base - (0.0 if budget is None else float(budget))
     ph = np.where(problem.ev_mixed, -1, problem.ev_phase)  # interleaved events: _select_mixed
-    n_total = len(need)
     other = float(np.max(need[ph == OTHER])) if np.any(ph == OTHER) else -math.inf
-    prune = budget is not None
-    # forward: F non-decreasing in kc -> keep strictly increasing needs along kc
-    fw_best: dict[int, float] = {}
-    # checkpointing can also *add* bytes (the per-call overhead): keep events that overhead could push over
-    slack = max(float(problem.fw_over.sum()), float(problem.bw_over.sum()))
-    sel = np.nonzero((ph == FW) & ((need + slack > 0) if prune else True))[0]
-    for i in sel:
-        kc = int(problem.kc_fw[problem.ev_k[i]])
-        if need[i] > fw_best.get(kc, -math.inf):
-            fw_best[kc] = float(need[i])
-    # dominance needs monotone running sums: d = A·r - o·y >= 0 for every call, which the rows
-    # r >= min_ratio·y of :func:`_base_columns` guarantee (see :attr:`~sacplan.solver.candidates.Candidate.min_ratio`)
-    dominate = True
-    fw, run = [], -math.inf
-    for kc in sorted(fw_best):
-        if fw_best[kc] > run or not dominate:
-            fw.append((kc, fw_best[kc]))
-            run = fw_best[kc]
-    # backward: G (discards not yet re-materialised) non-increasing in kc
-    bw_best: dict[int, float] = {}
-    sel = np.nonzero((ph == BW) & ((need + slack > 0) if prune else True))[0]
-    for i in sel:
-        kc = int(problem.kc_bw[problem.ev_k[i]])
-        if need[i] > bw_best.get(kc, -math.inf):
-            bw_best[kc] = float(need[i])
-    bw, run = [], -math.inf
-    for kc in sorted(bw_best, reverse=True):
-        if bw_best[kc] > run or not dominate:
-            bw.append((kc, bw_best[kc]))
-            run = bw_best[kc]
-    # events where checkpointing adds bytes (rc events, calls inside their backward): Pareto-maximal
-    # (need, added bytes) per (kc, slots)
-    groups: dict[tuple[int, tuple[int, ...], int], list[tuple[float, tuple[float, ...]]]] = {}
-    top = problem.surge_top()
-    for i in np.nonzero(ph == RC)[0]:
-        terms = problem.ev_terms[i]
-        ss = int(problem.ev_surge[i])
-        if prune and need[i] + slack + sum(cf for _, cf in terms) + top[i] <= 0:
-            continue
-        key = (int(problem.kc_bw[problem.ev_k[i]]), tuple(sl for sl, _ in terms), ss)
-        groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
-    rc: list[tuple[int, tuple[tuple[int, float], ...], float, int]] = []
-    for key in sorted(groups):
-        kept_coefs: list[tuple[float, ...]] = []
-        for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
-            if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept_coefs):
-                rc.append((key[0], tuple(zip(key[1], cfs)), nd, key[2]))
-                kept_coefs.append(cfs)
+    # Dominance needs monotone running sums: d = A·r - o·y >= 0 for every call, which the rows r >= min_ratio·y of
+    # :func:`_base_columns` guarantee (:attr:`~sacplan.solver.candidates.Candidate.min_ratio`). F (forward discards
+    # so far) is non-decreasing in kc, G (discards not yet re-materialised) non-increasing: keep strictly
+    # increasing needs along each.
+    fw = _rising(need, ph == FW, problem.ev_k, problem.kc_fw, _slack(problem, budget), ascending=True)
+    bw = _rising(need, ph == BW, problem.ev_k, problem.kc_bw, _slack(problem, budget), ascending=False)
+    rc = [(k[0], terms, nd, k[2]) for k, terms, nd in _pareto_added(
+        problem, budget, np.nonzero(ph == RC)[0], lambda i: (int(problem.kc_bw[problem.ev_k[i]]),))]
     kept = len(fw) + len(bw) + len(rc) + (1 if other > -math.inf else 0)
-    return fw, bw, rc, other, n_total - kept
+    return fw, bw, rc, other, len(need) - kept
 
 
-def _select_mixed(
-    problem: SacProblem, budget: float | None
-) -> list[tuple[int, int, tuple[tuple[int, float], ...], float, int]]:
+def _slack(problem: SacProblem, budget: float | None) -> float:
+    """What checkpointing's per-call overheads can add at most (bytes): events within it of the budget stay
+    (``inf`` for the min-peak model, ``budget`` None: every event stays)."""
+    if budget is None:
+        return math.inf
+    return max(float(problem.fw_over.sum()), float(problem.bw_over.sum()))
+
+
+def _rising(
+    need: np.ndarray, sel: np.ndarray, pos: np.ndarray, kcs: np.ndarray, slack: float, ascending: bool
+) -> list[tuple[int, float]]:
+    """The largest need per candidate-entry count ``kc = kcs[pos[event]]`` among the ``sel`` events that ``slack``
+    could push over, then only the counts whose need rises strictly along ``kc`` (ascending, or descending)."""
+    best: dict[int, float] = {}
+    for i in np.nonzero(sel & (need + slack > 0))[0]:
+        kc = int(kcs[pos[i]])
+        if need[i] > best.get(kc, -math.inf):
+            best[kc] = float(need[i])
+    out, run = [], -math.inf
+    for kc in sorted(best, reverse=not ascending):
+        if best[kc] > run:
+            out.append((kc, best[kc]))
+            run = best[kc]
+    return out
+
+
+def _pareto_added(
+    problem: SacProblem, budget: float | None, events: np.ndarray, kcs: Callable[[int], tuple[int, ...]]
+) -> list[tuple[tuple, tuple[tuple[int, float], ...], float]]:
+    """The ``events`` where checkpointing adds bytes that the worst case could push over the budget, grouped by
+    ``(kcs(event), slots, surge slot)``: per group (sorted) the Pareto-maximal ``(need, added bytes)``, as
+    ``(key, terms, need)`` with ``key = kcs(event) + (slots, surge slot)``."""
+    need = problem.ev_base - (0.0 if budget is None else float(budget))
+    slack, top = _slack(problem, budget), problem.surge_top()
+    groups: dict[tuple, list[tuple[float, tuple[float, ...]]]] = {}
+    for i in events:
+        terms = problem.ev_terms[i]
+        if budget is not None and need[i] + slack + sum(cf for _, cf in terms) + top[i] <= 0:
+            continue
+        key = kcs(i) + (tuple(sl for sl, _ in terms), int(problem.ev_surge[i]))
+        groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
+    out = []
+    for key in sorted(groups):
+        kept: list[tuple[float, ...]] = []
+        for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
+            if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept):
+                out.append((key, tuple(zip(key[-2], cfs)), nd))
+                kept.append(cfs)
+    return out
+
+
+def _select_mixed(problem: SacProblem, budget: float | None) -> list[Mixed]:
     """The interleaved events' constraints (:attr:`~sacplan.timeline.Timeline.mixed`: a pipeline stage's schedule)
     as ``(kf, kb, terms, need, surge slot)``: ``kf``/``kb`` the candidate-entry counts of ``fw_post_order`` /
     ``bw_pre_order`` before the event, ``terms`` and the surge slot what checkpointing adds there (as for rc events in
     :func:`_select_events`). Events that fit the budget in the worst case are dropped, and of those with the same
     ``(kf, kb, slots)`` only the Pareto-maximal ``(need, added bytes)``."""
-    idx = np.nonzero(problem.ev_mixed)[0]
-    if not len(idx):
-        return []
-    need = problem.ev_base - (0.0 if budget is None else float(budget))
-    slack = max(float(problem.fw_over.sum()), float(problem.bw_over.sum()))
-    top = problem.surge_top()
-    groups: dict[tuple[int, int, tuple[int, ...], int], list[tuple[float, tuple[float, ...]]]] = {}
-    for i in idx:
-        terms = problem.ev_terms[i]
-        ss = int(problem.ev_surge[i])
-        if budget is not None and need[i] + slack + sum(cf for _, cf in terms) + top[i] <= 0:
-            continue
-        key = (int(problem.kc_fw[problem.ev_kf[i]]), int(problem.kc_bw[problem.ev_kb[i]]), tuple(sl for sl, _ in terms), ss)
-        groups.setdefault(key, []).append((float(need[i]), tuple(cf for _, cf in terms)))
-    out: list[tuple[int, int, tuple[tuple[int, float], ...], float, int]] = []
-    for key in sorted(groups):
-        kept: list[tuple[float, ...]] = []
-        for nd, cfs in sorted(groups[key], key=lambda t: (-t[0], tuple(-c for c in t[1]))):
-            if not any(all(a >= b for a, b in zip(k, cfs)) for k in kept):
-                out.append((key[0], key[1], tuple(zip(key[2], cfs)), nd, key[3]))
-                kept.append(cfs)
-    return out
+    return [(k[0], k[1], terms, nd, k[3]) for k, terms, nd in _pareto_added(
+        problem, budget, np.nonzero(problem.ev_mixed)[0],
+        lambda i: (int(problem.kc_fw[problem.ev_kf[i]]), int(problem.kc_bw[problem.ev_kb[i]])))]
 
 
 def _mixed_row(
@@ -418,25 +409,6 @@ def count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) -
     k = model.add_col(f"{kind}{label}", 0.0, float(len(cols)), True)
     model.add_row(f"{kind}def{label}", [k] + list(cols), [1.0] + [-1.0] * len(cols), lb=0.0, ub=0.0)
     return k
-
-
-def _sums(
-    problem: SacProblem,
-    model: MilpModel,
-    idx: MilpIndex,
-    fw_kcs: Sequence[int],
-    bw_kcs: Sequence[int],
-    fw_lb: dict[int, float],
-    bw_lb: dict[int, float],
-) -> tuple[dict[int, int], dict[int, int]]:
-    """Running-sum columns F_kc (forward discards so far) and G_kc (discards not yet re-materialised): the
-    timeline's :meth:`~sacplan.timeline.Timeline.running` sums as rows, at the candidate-entry counts ``kc`` a
-    constraint reads (``columns_for`` fills them from the timeline itself)."""
-    Fcol = running_columns(problem, model, idx, "F", fw_kcs, fw_lb, forward=True)
-    idx.F.extend(Fcol.items())
-    Gcol = running_columns(problem, model, idx, "G", bw_kcs, bw_lb, forward=False)
-    idx.G.extend(Gcol.items())
-    return Fcol, Gcol
 
 
 def running_columns(

@@ -102,30 +102,17 @@ def _unnest(problem: SacProblem, y: np.ndarray, score: np.ndarray) -> np.ndarray
     """Keep, along every candidate chain, only the outermost flagged node (its flagged descendants are
     dropped; ``score`` only orders the walk)."""
     y = y.copy()
-    order = sorted(range(problem.num_candidates), key=lambda s: (-score[s], s))
-    for s in order:
+    for s in sorted(range(problem.num_candidates), key=lambda s: (-score[s], s)):
         if y[s] < 0.5:
             continue
-        p = problem.candidates[s].parent_slot
-        while p >= 0:
-            if y[p] > 0.5:
-                y[s] = 0.0
-                break
-            p = problem.candidates[p].parent_slot
-        if y[s] > 0.5:  # clear chosen descendants: slots are in pre-order, so they follow s contiguously
-            t = s + 1
-            while t < problem.num_candidates and _descends(problem, t, s):
-                y[t] = 0.0
-                t += 1
+        if any(y[p] > 0.5 for p in problem.ancestors(s)):
+            y[s] = 0.0
+            continue
+        t = s + 1  # clear chosen descendants: slots are in pre-order, so they follow s contiguously
+        while t < problem.num_candidates and s in problem.ancestors(t):
+            y[t] = 0.0
+            t += 1
     return y
-
-
-def _descends(problem: SacProblem, t: int, s: int) -> bool:
-    """Candidate slot ``t`` lies inside candidate slot ``s`` (ancestors have smaller slots: pre-order)."""
-    p = problem.candidates[t].parent_slot
-    while p > s:
-        p = problem.candidates[p].parent_slot
-    return p == s
 
 
 def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.ndarray) -> np.ndarray:

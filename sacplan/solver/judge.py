@@ -19,13 +19,13 @@ import math
 
 import numpy as np
 
-from sacplan.errors import InfeasibleBudgetError, SolverError
+from sacplan.errors import SolverError
 from sacplan.plan import ModuleDecision
 from sacplan.solver.model import TIME_LIMIT, relative_gap
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import realise
-from sacplan.solver.min_peak import solve_min_peak
+from sacplan.solver.min_peak import min_peak_plan
 from sacplan.solver.repair import repair
 from sacplan.solver.strategies import Found
 
@@ -56,9 +56,7 @@ def judge(problem: SacProblem, found: Found, budget: int, opts: SolverOptions) -
     y, r, min_feasible, fallback = found.y, found.r, found.min_feasible, None
     r_fixed = repair(problem, y, r, float(budget))
     if r_fixed is None:
-        mf, y, r, _, _ = solve_min_peak(problem, opts)
-        if mf > budget:
-            raise InfeasibleBudgetError(budget, mf)
+        mf, y, r = min_peak_plan(problem, budget, opts)
         fallback, min_feasible = "min-peak solution (the solver's plan violated the budget beyond repair)", mf
     else:
         r = r_fixed

@@ -1,19 +1,10 @@
 """The public entry points of the solver: which modules to checkpoint and what fraction of each one's activations to
 discard (:func:`solve`), the smallest feasible budget, a lower bound on recompute, the no-checkpointing peak.
 
-:func:`solve` is a pipeline, read top to bottom in :func:`_solve`:
-
-1. the problem: :class:`~sacplan.solver.problem.SacProblem` reads a :class:`~sacplan.tree.ModuleTree` once (the
-   memory Timeline with per-rank scaling, the candidates, their exact options) and evaluates any decision in bytes;
-2. the strategies (:func:`~sacplan.solver.strategies.find`): the tree DP, else the budget MILP (heuristic
-   incumbent, LP proof or branch-and-bound, no-good cuts; :mod:`sacplan.solver.budget_milp`), the min-peak plan
-   at the feasibility edge — all under the call's deterministic work limit and its wall-clock safety net
-   (:mod:`sacplan.solver.limits`);
-3. the judge (:func:`~sacplan.solver.judge.judge`): exact bytes, repair, realisation as op save lists;
-4. the :class:`~sacplan.plan.Plan`.
-
-The formulation is :mod:`sacplan.solver.formulation`; PyTorch's Graph enters the same problem through
-:mod:`sacplan.solver.compat`.
+:func:`solve` is the pipeline of :mod:`sacplan.solver`, read top to bottom in :func:`_solve`: the problem
+(:class:`~sacplan.solver.problem.SacProblem`), the strategies (:func:`~sacplan.solver.strategies.find`) under the
+call's limits (:mod:`sacplan.solver.limits`), the judge (:func:`~sacplan.solver.judge.judge`), the
+:class:`~sacplan.plan.Plan`.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError, SolverError
 from sacplan.plan import Plan
-from sacplan.solver import limits
+from sacplan.solver import limits, strategies
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import build_budget_model
 from sacplan.solver.judge import Verdict, judge
@@ -121,8 +112,8 @@ def _recompute_lower_bound(
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
 
-    def infeasible() -> InfeasibleBudgetError:
-        return InfeasibleBudgetError(budget_bytes, solve_min_peak(SacProblem(tree, world_size, ac_units, fsdp_units), opts)[0])
+    def infeasible() -> InfeasibleBudgetError:  # the smallest feasible budget of the exact problem
+        return strategies.infeasible(SacProblem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
 
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget_bytes:
         raise infeasible()

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from sacplan.errors import SolverError
+from sacplan.errors import InfeasibleBudgetError, SolverError
 from sacplan.solver.backends import solve_model
 from sacplan.solver.formulation import build_min_peak_model, columns_for, decision_from
 from sacplan.solver.model import SolveResult
@@ -37,3 +37,12 @@ def solve_min_peak(
     r = y.copy()
     peak = problem.peak(y, r)
     return int(math.ceil(peak - 1e-6)), y, r, res, build_s
+
+
+def min_peak_plan(problem: SacProblem, budget: int, opts: SolverOptions) -> tuple[int, np.ndarray, np.ndarray]:
+    """The min-peak plan where a strategy's own cannot stand: ``(smallest feasible budget in bytes, y, r)``;
+    :class:`InfeasibleBudgetError` when it does not fit ``budget`` (bytes) either."""
+    mf, y, r, _, _ = solve_min_peak(problem, opts)
+    if mf > budget:
+        raise InfeasibleBudgetError(budget, mf)
+    return mf, y, r

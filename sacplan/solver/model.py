@@ -1,6 +1,6 @@
 """The solver-neutral MILP: :class:`MilpModel`, what solving it returns (:class:`SolveResult`, normalised
 status codes, :func:`relative_gap`, Ctrl-C as :class:`SolveInterrupted`) and copies of a model with changed bounds (:func:`with_bounds`,
-:func:`relaxed`, :func:`relaxed_with_fixed`).
+:func:`relaxed`).
 
 The formulations in :mod:`sacplan.solver.formulation`, :mod:`sacplan.solver.knapsack` and
 :mod:`sacplan.solver.compat` build a :class:`MilpModel` (columns with bounds/integrality/cost, rows in CSR form
@@ -209,16 +209,11 @@ def with_bounds(model: MilpModel, lb: Mapping[int, float], ub: Mapping[int, floa
     return m
 
 
-def relaxed(model: MilpModel) -> MilpModel:
-    """A copy of ``model`` with every column continuous (its LP relaxation)."""
-    lp = MilpModel(**{k: (list(v) if isinstance(v, list) else v) for k, v in model.__dict__.items()})
+def relaxed(model: MilpModel, fixed: Mapping[int, float] | None = None) -> MilpModel:
+    """A copy of ``model`` with every column continuous (its LP relaxation), the ``fixed`` columns fixed to their
+    values."""
+    lp = with_bounds(model, {}, {})
     lp.col_int = [False] * model.num_cols
+    for j, v in (fixed or {}).items():
+        lp.col_lb[j] = lp.col_ub[j] = float(v)
     return lp
-
-
-def relaxed_with_fixed(model: MilpModel, values: Mapping[int, float]) -> MilpModel:
-    """The LP relaxation of ``model`` with the given columns fixed to the given values."""
-    m = relaxed(model)
-    for j, v in values.items():
-        m.col_lb[j] = m.col_ub[j] = float(v)
-    return m

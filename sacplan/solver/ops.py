@@ -174,14 +174,7 @@ def module_options(
     # Pareto front: by ratio descending, keep strictly cheaper options. On a tie a save list beats the plain full
     # checkpoint: it names the free ops (the module's output op) that a full checkpoint would recompute; an
     # empty save list is the full checkpoint itself.
-    pts.sort(key=lambda p: (-p[0], p[1], 1 if p[2] is None else (0 if p[2].saved else 2)))
-    kept: list[tuple[float, float, OpSelection | _Pending | None]] = []
-    for p in pts:
-        if not kept or p[1] < kept[-1][1] - 1e-12:
-            if kept and abs(p[0] - kept[-1][0]) <= 1e-15:
-                continue
-            kept.append(p)
-    kept.reverse()
+    kept = _undominated(sorted(pts, key=lambda p: (-p[0], p[1], 1 if p[2] is None else (0 if p[2].saved else 2))))
     if max_options is not None and len(kept) > max(2, max_options):
         complete = False
         kept = [kept[k] for k in thin_front([(p[0], p[1]) for p in kept], max(2, max_options))]
@@ -287,12 +280,17 @@ def _realise(
             sel = selection_of(ops, saved, stop, False)
             r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R) + selective_frac
         out.append((r, q, sel))
-    res: list[tuple[float, float, OpSelection | None]] = []
-    for p in sorted(out, key=lambda p: (-p[0], p[1])):  # ratio descending: keep strictly cheaper ones
-        if not res or (p[1] < res[-1][1] - 1e-12 and abs(p[0] - res[-1][0]) > 1e-15):
-            res.append(p)
-    res.reverse()
-    return res
+    return _undominated(sorted(out, key=lambda p: (-p[0], p[1])))
+
+
+def _undominated(pts: list) -> list:
+    """Of ``(ratio, frac, selection)`` points sorted by ratio descending, those strictly cheaper (by 1e-12) than
+    every point kept before them at a different ratio (by 1e-15): the options, by ratio ascending."""
+    kept: list = []
+    for p in pts:
+        if not kept or (p[1] < kept[-1][1] - 1e-12 and abs(p[0] - kept[-1][0]) > 1e-15):
+            kept.append(p)
+    return kept[::-1]
 
 
 def fractional_lines(

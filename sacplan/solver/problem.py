@@ -47,37 +47,34 @@ class SacProblem:
         relax: bool = False,
     ) -> None:
         tree = as_tree(tree)
-        stats = tree.stats
-        self.tree = tree
-        #: exact mode: candidates with ops choose among their op-level options (see :meth:`options`)
-        self.exact = bool(exact)
-        self.max_options = None if max_options is None else int(max_options)
-        self._solver = solver
-        self._options: dict[int, ModuleOptions | None] = {}
-        self._surge: dict[int, tuple[int, ...]] = {}
         #: the step's memory timeline for ``world_size`` ranks: sacplan's one memory model (:mod:`sacplan.timeline`)
-        self.timeline = Timeline.of(stats, world_size)
-        self.world_size = self.timeline.world_size
+        timeline = Timeline.of(tree.stats, world_size)
         #: candidates in pre-order (slot = index), and warnings about named ``ac_units`` that cannot be checkpointed
-        self.candidates, self.notes = select_candidates(tree, ac_units, fsdp_units)
+        candidates, notes = select_candidates(tree, ac_units, fsdp_units)
         if relax:  # lower-bound mode: each module's cost is the LP relaxation of its op-level knapsack
-            self.exact = False
-            self.candidates = [relaxed_candidate(tree, c) for c in self.candidates]
-        self._orders()
-        self._events()
+            candidates = [relaxed_candidate(tree, c) for c in candidates]
+        self._build(tree, timeline, candidates, notes, exact and not relax, max_options, solver)
 
     @classmethod
     def of_timeline(cls, timeline: Timeline, candidates: Sequence[Candidate]) -> "SacProblem":
         """The problem of a memory timeline and candidates built elsewhere (PyTorch's Graph, see
         :mod:`sacplan.solver.compat`): trade-off lines only, and no tree (``tree`` is None)."""
         self = cls.__new__(cls)
-        self.tree, self.exact, self.max_options, self._solver = None, False, None, "auto"  # type: ignore[assignment]
-        self._options, self._surge = {}, {}
-        self.timeline, self.world_size, self.ck_overhead = timeline, timeline.world_size, 0.0
-        self.candidates, self.notes = list(candidates), []
+        self._build(None, timeline, list(candidates), [], False, None, "auto")  # type: ignore[arg-type]
+        return self
+
+    def _build(self, tree: ModuleTree, timeline: Timeline, candidates: list[Candidate], notes: list[str], exact: bool,
+               max_options: int | None, solver: str) -> None:
+        self.tree, self.timeline, self.world_size = tree, timeline, timeline.world_size
+        self.candidates, self.notes = candidates, notes
+        #: exact mode: candidates with ops choose among their op-level options (see :meth:`options`)
+        self.exact = bool(exact)
+        self.max_options = None if max_options is None else int(max_options)
+        self._solver = solver
+        self._options: dict[int, ModuleOptions | None] = {}
+        self._surge: dict[int, tuple[int, ...]] = {}
         self._orders()
         self._events()
-        return self
 
     # -- setup ----------------------------------------------------------------------------------------
     def _orders(self) -> None:
@@ -313,15 +310,17 @@ class SacProblem:
             groups.setdefault(key, []).append(c.slot)
         return sorted(groups.items(), key=lambda kv: kv[1][0])
 
+    def ancestors(self, slot: int) -> list[int]:
+        """The candidate slots ``slot`` lies inside, nearest first (smaller slots: pre-order)."""
+        out, p = [], self.candidates[slot].parent_slot
+        while p >= 0:
+            out.append(p)
+            p = self.candidates[p].parent_slot
+        return out
+
     def nesting_ok(self, y: Sequence[float]) -> bool:
-        for c in self.candidates:
-            if y[c.slot] > 0.5:
-                p = c.parent_slot
-                while p >= 0:
-                    if y[p] > 0.5:
-                        return False
-                    p = self.candidates[p].parent_slot
-        return True
+        """No checkpointed candidate lies inside another."""
+        return not any(y[c.slot] > 0.5 and any(y[p] > 0.5 for p in self.ancestors(c.slot)) for c in self.candidates)
 
     def lower_bound_peak(self) -> float:
         """A quick lower bound of the smallest achievable peak: every candidate fully discarded at once

@@ -31,7 +31,7 @@ from sacplan.solver.formulation import MilpIndex, build_budget_model, columns_fo
 from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, relative_gap
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.min_peak import solve_min_peak
+from sacplan.solver.min_peak import min_peak_plan, solve_min_peak
 from sacplan.solver.tree_dp import TreeDpResult, solve_tree_dp
 
 
@@ -133,9 +133,7 @@ def _from_milp(
                 lp_bound_ms=lp_bound, proved_by="lp" if run.by_lp else opts.backend, tolerance_cuts=run.cuts)
     if res.x is None:
         if res.status == INFEASIBLE:  # solver tolerance at the very edge: the min-peak solution fits exactly
-            mf, y, r, _, _ = solve_min_peak(problem, opts)
-            if mf > budget:
-                raise InfeasibleBudgetError(budget, mf)
+            mf, y, r = min_peak_plan(problem, budget, opts)
             meta["fallback"] = "min-peak solution (the budget MILP was declared infeasible at the feasibility edge)"
             return Found(y, r, problem.cost(y, r), -math.inf, math.inf, TIME_LIMIT, meta, timing, mf)
         if res.status == TIME_LIMIT:
