@@ -229,7 +229,7 @@ XFAIL: dict[tuple[str, str | None, str], str] = {
         "over-predicted, the safe direction: -1.47% (predicted 6.24 MiB, CPU allocator 6.15, sacplan's tracker on "
         "the real tensors 6.11) with the plan that checkpoints patch_embed, both stages' attention and MLPs and "
         "layers.1.downsample; the predicted peak is a forward event: the real planned forward is 262,144 B lower "
-        "from layers.1.downsample on (its held input or its LayerNorm's saved input) plus the RNG stashes "
+        "from layers.1.downsample on (one input-sized tensor of that region, not isolated) plus the RNG stashes "
         "(benchmarks/RESULTS.md note 5; plan-dependent: another plan at this budget validated within 1%)"),
     **{("hf-switch", None, check): (
         "collection (issue 24.4, engineer collectfake): Switch's router casts its classifier with Module.to() inside "
