@@ -34,8 +34,9 @@ from sacplan import fqns
 class Phase(str, Enum):
     """Where in the step a :class:`MemoryEvent` sits (a ``str``: events saved as ``"fw"`` etc. load unchanged).
 
-    ``FW`` forward; ``BW`` backward; ``RC`` a module's backward start, where recomputing it would add its
-    transient if it is checkpointed; ``OTHER`` loss and optimizer step (no checkpointing decision changes them).
+    ``FW`` forward; ``BW`` backward; ``RC`` a module's backward start (its first read of a tensor it saved, where
+    non-reentrant checkpointing recomputes), where recomputing it would add its transient if it is checkpointed;
+    ``OTHER`` loss and optimizer step (no checkpointing decision changes them).
     """
 
     FW = "fw"
@@ -368,6 +369,9 @@ class ModelStats:
         modules: per-module stats in forward pre-order of first calls.
         fw_pre_order, fw_post_order, bw_pre_order, bw_post_order: module calls as fqns in the order their
             forward starts / forward ends / backward starts / backward ends (a module called twice appears twice).
+            A call's backward "starts" where ``torch.utils.checkpoint`` would recompute it: when its backward first
+            reads back a tensor one of its ops saved (not when the gradient reaches its outputs: the nodes before
+            that read nothing of it); a call that saved nothing starts when the gradient reaches its outputs.
         events: the memory timeline (see module docstring).
         peak_bytes: whole-step peak live bytes; ``peak_phase`` / ``peak_module`` say where it occurs.
         peak_snapshot: live bytes per category at that peak.

@@ -38,6 +38,8 @@ class ModuleCallHooks(StorageAccounting):
 
     #: the step's forward ops, appended by the recorder's dispatch mode; each call record owns a slice of it
     ops: list[OpRecord]
+    #: per storage key, ``len(ops)`` at each forward pack of it (kept by the recorder's autograd pack hook)
+    packed_at: dict[int, list[int]]
 
     def __init__(self, model: nn.Module, spec: DeviceSpec) -> None:
         super().__init__(spec)
@@ -48,6 +50,8 @@ class ModuleCallHooks(StorageAccounting):
         self.calls: list[CallRecord] = []
         self.call_count: dict[str, int] = {}
         self._pending_bw_post: list[Callable[[], None]] = []
+        #: calls whose backward began and that have not read back a tensor they saved yet (:meth:`note_unpack`)
+        self.rc_pending: list[CallRecord] = []
         self._callback_queued = False
         #: ``(fqn, exception)`` of the innermost module whose forward raised (set while the exception unwinds).
         self.failed_in: tuple[str, BaseException] | None = None
@@ -157,6 +161,7 @@ class ModuleCallHooks(StorageAccounting):
         rec.peak_fw = peak.cats if peak is not None and peak.peak > sum(rec.post_fw) else rec.post_fw
         sids = []
         new_out = 0
+        made: dict[int, int] = {}
         for st in storages_of(output):
             info = self.storages.get(id(st))
             if info is None:
@@ -164,9 +169,11 @@ class ModuleCallHooks(StorageAccounting):
             sids.append(info[2])
             if info[2] > rec.alloc_seq_pre and info[1] == ACT:
                 new_out += info[0]
+                made[info[2]] = info[0]
                 rec.out_op = max(rec.out_op, self.sid_creator.get(id(st), -1))
         rec.out_sids = tuple(sids)
         rec.out_new_bytes = new_out
+        rec.out_new = tuple(made.items())
         kept = self.act_alloc_total - rec.act_alloc_pre - rec.act_freed_inside
         rec.act_kept = max(0, kept - new_out)
         rec.output_bytes = tensor_bytes_of(output, self.spec)
@@ -199,23 +206,64 @@ class ModuleCallHooks(StorageAccounting):
             self.close_segment(Phase.BW)
             rec.pre_bw = self.snapshot()
             rec.event_bw_start = len(self.segments)
-            self.bw_pre_order.append(rec.fqn)
             self.bw_active.append(rec)
-            # Recomputing this call's forward (if checkpointed) would happen here. It re-runs the ops up to the last
-            # one that saved a tensor (early stop) and holds, at its highest, what the forward held at its highest
-            # among those ops above the call's start; the events after it count the saved tensors (S = post -
-            # output) as back, so the transient beyond them is max_t live_t - (post_fw - output). The output is
-            # not part of S: it is in the base only where something still holds it, and a recomputation that
-            # re-runs the op making it allocates a fresh copy (counted in live_t).
-            ran = self.ops[rec.op_start : rec.last_pack] if rec.last_pack > rec.op_start else []
-            top = max((o.live for o in ran), default=0)
-            extra = max(0, top - (sum(rec.post_fw) - rec.out_new_bytes)) if ran else 0
-            self.segments.append(
-                Segment(Phase.RC, rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
-                        extra=extra, bw_done=len(self.bw_post_order))
-            )
+            if rec.last_pack < 0:
+                self._begin_recompute(rec)  # saved nothing: nothing to recompute
+            else:
+                self.rc_pending.append(rec)  # begun at the first read of a tensor it saved (note_unpack)
 
         register_multi_grad_hook(tensors, hook, mode="any")
+
+    def note_unpack(self, ops_before: int) -> None:
+        """Autograd reads back a tensor saved after the first ``ops_before`` forward ops (the recorder's unpack
+        hook): every call whose backward has begun and which made that op begins its recomputation here.
+
+        ``torch.utils.checkpoint`` (non-reentrant) recomputes a region when its backward first unpacks a tensor
+        the region saved, not when the gradient reaches its outputs: the nodes that run before (in-place ops on
+        views, additions, views) run with its discarded tensors still absent. So a call's place in
+        ``bw_pre_order`` and its rc segment, from which the timeline counts its discarded bytes back, are here.
+        """
+        if not self.recording or torch._C._current_graph_task_id() == -1:
+            return
+        for rec in self.rc_pending:
+            if rec.op_start < ops_before <= rec.op_end:
+                rec.unpacked = True  # an op of the call saved it (the innermost call open then, or one enclosing it)
+        ready = [r for r in self.rc_pending if r.unpacked]
+        if ready:
+            self.rc_pending = [r for r in self.rc_pending if not r.unpacked]
+            for r in ready:
+                self._begin_recompute(r)
+
+    def _begin_recompute(self, rec: CallRecord) -> None:
+        """``rec``'s backward reaches its saved tensors: it joins ``bw_pre_order`` and its rc segment is recorded.
+
+        Recomputing the call's forward (if checkpointed) happens here. It re-runs the ops up to the last one that
+        saved a tensor (early stop) and holds, at its highest, what the forward held at its highest among those
+        ops above the call's start; the events after it count the saved tensors (S = post - output) as back, so
+        the transient beyond them is max_t live_t - (post_fw - output). The output is not part of S: it is in the
+        base only where something still holds it, and a recomputation that re-runs the op making it allocates a
+        fresh copy (counted in live_t). An output its own ops saved and still alive here is counted once only
+        when the call's backward shows that those saves alone held it (:meth:`_settle_rc_output`).
+        """
+        if not self.segment_is_empty():
+            self.close_segment(Phase.BW)  # the nodes run since the gradient reached the call, before the read
+        self.bw_pre_order.append(rec.fqn)
+        ran = self.ops[rec.op_start : rec.last_pack] if rec.last_pack > rec.op_start else []
+        rec.rc_top = max((o.live for o in ran), default=0)
+        extra = max(0, rec.rc_top - (sum(rec.post_fw) - rec.out_new_bytes)) if ran else 0
+        rec.rc_out_saved = tuple((k, b) for k, b in rec.out_new if k in self.live_keys and self._packed_by(rec, k))
+        rec.rc_segment = len(self.segments)
+        self.segments.append(
+            Segment(Phase.RC, rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
+                    extra=extra, bw_done=len(self.bw_post_order))
+        )
+
+    def flush_recomputes(self) -> None:
+        """Begin the calls whose backward began and never read a saved tensor (at their backward's end, or the
+        whole backward's: ``bw_pre_order`` lists every call whose backward began)."""
+        pending, self.rc_pending = self.rc_pending, []
+        for r in pending:
+            self._begin_recompute(r)
 
     def _register_bw_post(self, mod: nn.Module, fqn: str, inputs: Any, rec: CallRecord | None) -> None:
         flat, _ = tree_flatten(inputs)
@@ -227,7 +275,11 @@ class ModuleCallHooks(StorageAccounting):
             if rec.bw_post_fn is not done:
                 return  # superseded by a registration that also waits for keyword-argument gradients
             rec.bw_done = True
+            if any(r is rec for r in self.rc_pending):  # it never read a tensor it saved
+                self.rc_pending = [r for r in self.rc_pending if r is not rec]
+                self._begin_recompute(rec)
             self.close_segment(Phase.BW)
+            self._settle_rc_output(rec)
             rec.post_bw = self.snapshot()
             span = self.segments[rec.event_bw_start :]
             peak = max((s for s in span if s.phase == Phase.BW), key=lambda s: s.peak, default=None)
@@ -247,6 +299,26 @@ class ModuleCallHooks(StorageAccounting):
             rec.end_params = tuple(params)  # hooked at the call's forward end, so nested calls end first
         else:
             self._pending_bw_post.append(done)
+
+    def _packed_by(self, rec: CallRecord, key: int) -> bool:
+        """Whether an op of call ``rec`` saved storage ``key`` for its backward (a forward pack while its ops ran)."""
+        return any(rec.op_start < n <= rec.op_end for n in self.packed_at.get(key, ()))
+
+    def _settle_rc_output(self, rec: CallRecord) -> None:
+        """Correct the transient of ``rec``'s rc segment once its backward has ended.
+
+        The transient counts the output storages the call made as re-made by a recomputation (its early stop
+        re-runs the op making them), on top of the rc event's base. That base holds them as well where the
+        unplanned step still has them at the call's backward start because an op of the call saved them (a
+        ``relu`` returning its saved output). If they died during the call's backward, those saves were all that
+        held them: a checkpointed call has no such saves, so the bytes are absent from its step (full
+        recomputation: a fresh copy is made once) or they are the saved output itself (a selective one keeps
+        it and does not re-make it). Either way they count once: here, taken off the transient (bytes).
+        """
+        gone = sum(b for k, b in rec.rc_out_saved if k not in self.live_keys)
+        if gone and rec.rc_segment >= 0 and rec.rc_top > 0:
+            seg = self.segments[rec.rc_segment]
+            seg.extra = max(0, rec.rc_top - (sum(rec.post_fw) - rec.out_new_bytes + gone))
 
     def _end_with_parameters(self, params: list[torch.Tensor], done: Callable[[], None]) -> None:
         """A call none of whose inputs needs a gradient ends its backward once its parameters' gradients are
@@ -275,6 +347,7 @@ class ModuleCallHooks(StorageAccounting):
             return
         self._callback_queued = True
         engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(self.flush_recomputes)
         for cb in reversed(self._pending_bw_post):
             engine.queue_callback(cb)
         self._pending_bw_post.clear()

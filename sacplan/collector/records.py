@@ -66,6 +66,16 @@ class CallRecord:
     act_kept: int = 0
     out_sids: tuple[int, ...] = ()  #: storage keys of the output (see ``StepRecorder.storage_key``)
     out_new_bytes: int = 0
+    #: ``(storage key, bytes)`` of the distinct output storages the call made (``out_new_bytes`` counts them)
+    out_new: tuple[tuple[int, int], ...] = ()
+    #: index in the recorder's segments of the call's rc segment (-1: its backward has not begun)
+    rc_segment: int = -1
+    #: highest live bytes among the ops a recomputation of the call re-runs (0: it re-runs none)
+    rc_top: int = 0
+    #: ``out_new`` entries alive at the call's backward start that an op of the call saved for its backward
+    rc_out_saved: tuple[tuple[int, int], ...] = ()
+    #: autograd has read back (unpacked) a tensor an op of the call saved, in the call's backward
+    unpacked: bool = False
     #: global index of the last forward op that made a new output storage (-1: none)
     out_op: int = -1
     input_bytes: int = 0
@@ -84,6 +94,17 @@ class CallRecord:
     bw_post_fn: Any = None  # the live backward-post callback (a later one supersedes it)
     #: parameters whose accumulated gradients end this call's backward (no input of it needs a gradient)
     end_params: tuple = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """What the recorder's autograd pack hook hands autograd for a tensor saved during the recorded forward: the
+    tensor and ``ops_before``, the number of forward ops recorded when it was saved (the op that saved it is the
+    one before), so that reading it back in backward (the unpack hook) says which module calls' saved tensors
+    are being read (:meth:`~sacplan.collector.module_hooks.ModuleCallHooks.note_unpack`)."""
+
+    tensor: Any
+    ops_before: int
 
 
 @dataclass

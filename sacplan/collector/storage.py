@@ -77,6 +77,8 @@ class StorageAccounting:
         self.live = [0] * len(CATEGORIES)
         self.total = 0
         self.storages: dict[int, list[int]] = {}  # sid -> [nbytes, category, alloc seq, category at alloc]
+        #: keys (:meth:`storage_key`) of the tracked storages alive now
+        self.live_keys: set[int] = set()
         self.act_alloc_total = 0  # cumulative activation bytes allocated (for per-call kept bytes)
         self.sid_creator: dict[int, int] = {}  # sid -> global forward op index that created it
         self.alloc_seq = 0
@@ -86,6 +88,7 @@ class StorageAccounting:
         self.segments: list[Segment] = []
         self.seg_peak = 0
         self.seg_cats: tuple[int, ...] = tuple(self.live)
+        self.seg_start_total = 0  #: live bytes when the open stretch began
         self.step_peak = 0
         self.step_peak_cats: tuple[int, ...] = tuple(self.live)
         self.step_peak_where: tuple[str, str] = (Phase.FW, "")
@@ -122,6 +125,7 @@ class StorageAccounting:
         nbytes = self.spec.round_alloc(st.nbytes())
         self.alloc_seq += 1
         self.storages[sid] = [nbytes, category, self.alloc_seq, category]
+        self.live_keys.add(self.alloc_seq)
         if category == ACT:
             self.act_alloc_total += nbytes
         weakref.finalize(st, self._free, sid)
@@ -190,6 +194,7 @@ class StorageAccounting:
     def _free(self, sid: int) -> None:
         info = self.storages.pop(sid, None)
         if info is not None:
+            self.live_keys.discard(info[2])
             if self.recording and not self.bw_seen and torch._C._current_graph_task_id() == -1:
                 self.freed_in_fw.add(info[2])
             self.live[info[1]] -= info[0]
@@ -251,6 +256,11 @@ class StorageAccounting:
                 self.step_peak_where = (phase, mod)
         self.seg_peak = self.total
         self.seg_cats = tuple(self.live)
+        self.seg_start_total = self.total
+
+    def segment_is_empty(self) -> bool:
+        """Whether the open stretch has seen no change of the live bytes (nothing allocated, freed or pending)."""
+        return self.seg_peak == self.seg_start_total == self.total and self.pending_accumulation is None
 
     # ------------------------------------------------------------------ storage resizes -----------
     def install_resize_hook(self, undo: contextlib.ExitStack) -> None:

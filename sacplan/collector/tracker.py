@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sacplan.collector.inplaceviews import InplaceViewBackwards
 from sacplan.collector.linearbias import LinearBiasMode, is_linear_bias_add
 from sacplan.collector.module_hooks import ModuleCallHooks
-from sacplan.collector.records import ACT, TEMP, OpRecord
+from sacplan.collector.records import ACT, TEMP, OpRecord, Packed
 from sacplan.collector.runtime import RuntimeModel, op_flops
 from sacplan.collector.storage import storages_of
 from sacplan.collector.workspace import WORKSPACE_OPS, workspace_bytes
@@ -222,7 +222,14 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
                 self.packed_at.setdefault(key, []).append(n)
             for rec in self.fw_stack:
                 rec.last_pack = n
+            return Packed(t, n)
         return t
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, Packed):
+            self.note_unpack(x.ops_before)
+            return x.tensor
+        return x
 
     # ------------------------------------------------------------------ context -------------------
     def __enter__(self) -> "StepRecorder":
@@ -231,7 +238,7 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         # hooks stack are as they were (tests/collector/test_global_state.py).
         with contextlib.ExitStack() as undo:
             self.install_module_hooks(undo)
-            undo.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            undo.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
             undo.enter_context(self.linear_bias)
             self.install_resize_hook(undo)
             out = super().__enter__()
@@ -273,10 +280,6 @@ def accumulation_input(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.
         return st
     except (RuntimeError, NotImplementedError):
         return None
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 _ATTENTION_PACKETS = {

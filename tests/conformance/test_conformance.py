@@ -228,8 +228,9 @@ XFAIL: dict[tuple[str, str | None, str], str] = {
     ("timm-swin", "near-min", "peak"): (
         "over-predicted, the safe direction: -1.47% (predicted 6.24 MiB, CPU allocator 6.15, sacplan's tracker on "
         "the real tensors 6.11) with the plan that checkpoints patch_embed, both stages' attention and MLPs and "
-        "layers.1.downsample; the collection agrees with the allocator, the excess is in the timeline's account of "
-        "this plan's recomputation (plan-dependent: another plan at this budget validated within 1%)"),
+        "layers.1.downsample; the predicted peak is a forward event inside layers.1, where the downsample's input "
+        "(262,144 B), held by its checkpoint, is counted twice: the unplanned step keeps it too until layers.1 "
+        "returns (benchmarks/RESULTS.md note 5; plan-dependent: another plan at this budget validated within 1%)"),
     **{("hf-switch", None, check): (
         "collection (issue 24.4, engineer collectfake): Switch's router casts its classifier with Module.to() inside "
         "forward (fake mode cannot swap the parameter) and its experts loop over nonzero() (data-dependent shapes)")
