@@ -1,7 +1,8 @@
 """What to do when the fake step fails: a remedy chosen by the op that failed, the error and the module running.
 
 Each remedy applies to the op it is given for: a mixture-of-experts setting is suggested only when the
-failing module is a mixture-of-experts block (a CTC loss's value-dependent shape used to get it too).
+failing module is a mixture-of-experts block (a CTC loss's value-dependent shape used to get it too) whose experts
+read it (transformers' ``use_experts_implementation`` classes; Switch Transformers' expert loop does not).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def is_moe_block(module: nn.Module | None) -> bool:
     return False
 
 
+def has_experts_setting(module: nn.Module | None) -> bool:
+    """``module`` (or a submodule) runs its experts by ``config._experts_implementation`` (transformers'
+    ``use_experts_implementation`` classes keep that config), so a dense kernel can be picked there."""
+    return module is not None and any(
+        hasattr(getattr(m, "config", None), "_experts_implementation") and hasattr(m, "has_gate") for m in module.modules()
+    )
+
+
 def failure_hint(op: Any, e: BaseException, module: nn.Module | None = None) -> str:
     """What to do when the fake step fails in aten op ``op`` (None: not in an op) with ``e``, while ``module``
     (None: unknown or the top level) was running."""
@@ -50,8 +59,13 @@ def failure_hint(op: Any, e: BaseException, module: nn.Module | None = None) -> 
                 "(transformers: config.layerdrop = 0.0, so every layer runs: the step with the most memory, which a plan "
                 "must fit), or pass a train_step without it.")
     if moe and (any(s in name for s in _SHAPE_OPS + _READ_OPS) or type(e).__name__ == "DynamicOutputShapeException"):
-        return (f"this mixture-of-experts block's token routing depends on the weights, which fake tensors do not "
-                f"have: {experts}, or pass a train_step that avoids it.")
+        if has_experts_setting(module):
+            return (f"this mixture-of-experts block's token routing depends on the weights, which fake tensors do not "
+                    f"have: {experts}, or pass a train_step that avoids it.")
+        return ("this mixture-of-experts block picks its experts' tokens by value (boolean indexing, nonzero, where) "
+                "from a routing that depends on the weights, which fake tensors do not have, and it has no setting "
+                "for a dense experts kernel: collect a variant whose experts run on fixed shapes (every expert on "
+                "every token, weighted by the routing: the memory upper bound), or pass a train_step that does.")
     if any(s in name for s in _READ_OPS) or type(e).__name__ == "DataDependentOutputException":
         return ("sacplan answers a read of a tensor's value (.item(), .tolist(), a Python `if` on a tensor) from the "
                 "real example inputs passed to collect, when the value is computed from them alone. Pass real example "

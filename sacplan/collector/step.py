@@ -24,6 +24,7 @@ from sacplan.collector.hf import training_without_cache, transformers_real_paths
 from sacplan.collector.flex import flex_attention_routed
 from sacplan.collector.hints import failure_hint
 from sacplan.collector.kernels import cuda_host_kernels, host_state_tensors
+from sacplan.collector.moduleto import unchanged_module_to
 from sacplan.collector.realvalues import HostFastPaths, RealValueMode
 from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, OTHER, PARAM
 from sacplan.collector.runtime import RuntimeModel
@@ -97,8 +98,9 @@ def run_step(
         values.bind(args, real_inputs)
         # flex: FlexAttention runs the target's fused kernel, compiled functions run eagerly (never a compile)
         flex = flex_attention_routed(cuda_target=spec.attention == "flash")
+        # unchanged_module_to: a Module.to() inside the forward that changes nothing (a router cast to its own dtype)
         with training_without_cache(fmodel), transformers_real_paths(real_inputs), host_kernels, flex, fake_mode, \
-                values, HostFastPaths(values), attention, recorder:
+                values, HostFastPaths(values), attention, unchanged_module_to(), recorder:
             recorder.register(list(fmodel.parameters()), PARAM)
             recorder.register(list(fmodel.buffers()), BUFFER)
             recorder.register(args, INPUT)

@@ -232,8 +232,10 @@ XFAIL: dict[tuple[str, str | None, str], str] = {
         "(262,144 B), held by its checkpoint, is counted twice: the unplanned step keeps it too until layers.1 "
         "returns (benchmarks/RESULTS.md note 5; plan-dependent: another plan at this budget validated within 1%)"),
     **{("hf-switch", None, check): (
-        "collection (issue 24.4, engineer collectfake): Switch's router casts its classifier with Module.to() inside "
-        "forward (fake mode cannot swap the parameter) and its experts loop over nonzero() (data-dependent shapes)")
+        "collection (issue 24.4): Switch's experts pick their tokens with nonzero() / where() from a routing that "
+        "depends on the weights (no dense experts setting to switch to); the CollectionError names the experts "
+        "module, aten.nonzero and that remedy. Its router's Module.to() inside forward collects since "
+        "sacplan.collector.moduleto")
        for check in ("peak", "flops", "grads", "remove")},
 }
 
