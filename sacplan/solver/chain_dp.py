@@ -64,6 +64,7 @@ from typing import Callable
 import numpy as np
 
 from sacplan.solver import limits
+from sacplan.solver.event_knapsack import EventKnapsack
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import (
     MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
@@ -79,6 +80,10 @@ WORK = 150_000_000
 GUESSES = (0.002, 0.01, 0.04, 0.16, 0.64)
 #: golden-section steps for the Lagrangian multiplier (each shrinks the interval by 0.618)
 GOLDEN_STEPS = 60
+#: chains of at most this many kids pass each kid the integer bound of what lies outside it
+OUTSIDE_KIDS = 4
+#: events where sibling subtrees overlap that one chain may track exactly (each one more coordinate per state)
+MAX_TRACKED = 8
 #: state × point pairs formed at once (memory of one chunk: a few arrays of this length)
 CHUNK_PAIRS = 1_000_000
 
@@ -89,11 +94,13 @@ Recover = Callable[[int], list[tuple[int, int]]]
 @dataclasses.dataclass(frozen=True)
 class Front3:
     """Pareto points of one subtree: recompute ``cost`` (ms), ``held`` bytes outside its internal events,
-    requirement ``req`` (bytes the outside must add there); ``recover(i)`` lists what point ``i`` checkpoints."""
+    requirement ``req`` (bytes the outside must add there), ``ex`` its exact contributions (bytes) at the events its
+    caller tracks (points × events); ``recover(i)`` lists what point ``i`` checkpoints."""
 
     cost: np.ndarray
     held: np.ndarray
     req: np.ndarray
+    ex: np.ndarray
     recover: Recover
 
 
@@ -132,6 +139,12 @@ class ChainDp:
         self.estar = int(np.argmax(self.need)) if len(self.need) else -1
         self.lam, self.lbest = 0.0, np.zeros(n)
         self.incumbent, self.lb_slack, self.beam = math.inf, 0.0, False
+        #: the integer bound at estar (module docstring), dense arrays of what lies outside a subtree and after
+        #: each step of a chain (cached: they do not depend on the incumbent)
+        self.knap: EventKnapsack | None = None
+        self.outside: dict[int, np.ndarray] = {}
+        self.suffix: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.nothing: np.ndarray | None = None
 
     def spend(self, units: int) -> None:
         """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
@@ -169,15 +182,18 @@ class ChainDp:
         return np.nonzero(~(self.held_all[s] | self.zero_all[s]))[0]
 
     # -- fronts ---------------------------------------------------------------------------------------------
-    def reduce(self, cost: np.ndarray, held: np.ndarray, req: np.ndarray, out: tuple[float, float]) -> np.ndarray:
-        """Indices of the points that can still be met and are not dominated, when the outside adds between
-        ``out = (omin, omax)`` bytes: ``req`` below ``omin`` is raised to it and ``held`` above :attr:`hcap`
-        lowered to it (in place; both exact, module docstring), points with ``req > omax + tol`` dropped."""
+    def reduce(
+        self, cost: np.ndarray, held: np.ndarray, req: np.ndarray, out: tuple[float, float], ex: np.ndarray,
+    ) -> np.ndarray:
+        """Indices of the points that can still be met and are not dominated (exact contributions ``ex`` at
+        tracked events: more is better), when the outside adds between ``out = (omin, omax)`` bytes: ``req`` below
+        ``omin`` is raised to it and ``held`` above :attr:`hcap` lowered to it (in place; both exact, module
+        docstring), points with ``req > omax + tol`` dropped."""
         np.maximum(req, out[0], out=req)
         np.minimum(held, self.hcap, out=held)
         ok = np.nonzero(req <= out[1] + self.tol)[0]
         self.spend(3 * len(ok))
-        keep = ok[pareto(cost[ok], np.stack([held[ok], -req[ok]], axis=1), self.spend)]
+        keep = ok[pareto(cost[ok], np.column_stack([held[ok], -req[ok], ex[ok]]), self.spend)]
         if self.beam and len(keep):
             keep = keep[self.thin(cost[keep], held[keep], req[keep])]
         self.sizes.append(len(keep))
@@ -185,31 +201,39 @@ class ChainDp:
             raise TreeDpGaveUp(f"a chain front reached {len(keep)} points (> {MAX_FRONT})")
         return keep
 
-    def node(self, s: int, out: tuple[float, float], rest: float) -> Front3:
+    def node(
+        self, s: int, out: tuple[float, float], rest: float, outside: np.ndarray | None, track: np.ndarray,
+    ) -> Front3:
         """The front of slot ``s``'s subtree whose outside adds ``out = (omin, omax)`` bytes at its internal
-        events, and whose outside's Lagrangian cost is at least ``rest`` (ms, :meth:`lagrangian`)."""
+        events but those in ``track``, tracked by its caller (ascending binding-event indices: their exact contributions
+        go into ``ex`` instead), and whose outside's Lagrangian cost is at least ``rest`` (ms,
+        :meth:`lagrangian`) and integer bound at estar ``outside`` (dense, :mod:`~sacplan.solver.event_knapsack`;
+        None: unknown)."""
         events = self.internal(s)
         ratio, q, surge = self.levels[s]
         v = self.C[events, s][None, :] * ratio[:, None] - self.Y[events, s][None, :]
         v -= (self.P.ev_surge[self.binding[events]] == s)[None, :] * surge[:, None]
-        own_req = np.max(self.need[events][None, :] - v, axis=1, initial=-math.inf)
+        tracked = np.isin(events, track)
+        own_req = np.max(self.need[events[~tracked]][None, :] - v[:, ~tracked], axis=1, initial=-math.inf)
         own_held = self.A[s] * ratio - self.o[s]
-        kids = self.chain(self.children[s], events, out, rest)
+        kids = self.chain(self.children[s], events, out, rest, outside, track)
         cost = np.concatenate([q, kids.cost])
         held = np.concatenate([own_held, kids.held])
         req = np.concatenate([own_req, kids.req])
-        keep = self.reduce(cost, held, req, out)
+        ex = np.concatenate([v[:, tracked], kids.ex])
+        keep = self.reduce(cost, held, req, out, ex)
         nq = len(q)
 
         def recover(i: int) -> list[tuple[int, int]]:
             j = int(keep[i])
             return [(s, j)] if j < nq else kids.recover(j - nq)
 
-        return Front3(cost[keep], held[keep], req[keep], recover)
+        return Front3(cost[keep], held[keep], req[keep], ex[keep], recover)
 
-    def order(self, kids: list[int], events: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """``kids`` in chain order and, per event of ``events``, the kid internal there (-1: none) and the prefix
-        of held kids; :class:`TreeDpGaveUp` when the events do not see the kids as a sequential chain."""
+    def order(self, kids: list[int], events: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+        """``kids`` in chain order and, per event of ``events``, the kid internal there (-1: none), the prefix
+        of held kids, and whether the event sees them otherwise than as a sequential chain (two kids inside, or
+        the held kids not a prefix: such events are tracked exactly, :meth:`chain`)."""
         held = np.array([self.held_all[k][events] for k in kids]).reshape(len(kids), len(events)).T
         zero = np.array([self.zero_all[k][events] for k in kids]).reshape(len(kids), len(events)).T
         self.spend(2 * held.size)
@@ -217,8 +241,6 @@ class ChainDp:
         kids = [kids[i] for i in rank]
         held, zero = held[:, rank], zero[:, rank]
         inside = ~(held | zero)
-        if (inside.sum(1) > 1).any():
-            raise TreeDpGaveUp("not a sequential chain: two sibling subtrees are both inside at one event")
         who = np.where(inside.any(1), np.argmax(inside, axis=1), -1)
         # the prefix: the first kid that is not held (a kid both held and zero holds 0 bytes: it fits either way)
         first_not_held = np.where((~held).any(1), np.argmax(~held, axis=1), len(kids))
@@ -226,37 +248,56 @@ class ChainDp:
         pos = np.arange(len(kids))[None, :]
         expect_held = pos < prefix[:, None]
         ok = np.where(expect_held, held, zero) | (pos == who[:, None])
-        if not ok.all():
-            raise TreeDpGaveUp("not a sequential chain: the held siblings at an event are not a prefix")
-        return kids, who, prefix
+        return kids, who, prefix, ~ok.all(1) | (inside.sum(1) > 1)
 
-    def chain(self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float) -> Front3:
+    def chain(
+        self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float,
+        outside: np.ndarray | None, track: np.ndarray,
+    ) -> Front3:
         """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's
         ``I``), whose outside adds ``out = (omin, omax)`` bytes there and costs at least ``rest`` in the
-        Lagrangian (see the module docstring and :meth:`lagrangian`)."""
-        if not kids:
-            return Front3(np.zeros(1), np.zeros(1), np.array([np.max(self.need[events], initial=-math.inf)]),
-                          lambda i: [])
-        kids, who, prefix = self.order(kids, events)
-        fneed = np.full(len(kids) + 1, -math.inf)  # per step: the largest need of the events with no kid inside
-        np.maximum.at(fneed, prefix[who < 0], self.need[events][who < 0])
-        cost, held, req = np.zeros(1), np.zeros(1), np.full(1, -math.inf)
+        Lagrangian and ``outside`` in the integer bound (see the module docstring and :meth:`node`). Events that
+        do not see the kids as a sequential chain, and those in ``track`` (the caller's), are tracked exactly: each
+        state carries the kids' contributions there (``X``), up to :data:`MAX_TRACKED` of them."""
+        kids, who, prefix, odd = self.order(kids, events) if kids else ([], np.full(len(events), -1),
+                                                                         np.zeros(len(events), np.int64),
+                                                                         np.zeros(len(events), bool))
+        T = np.union1d(track, events[odd])  # tracked here: the caller's, then this chain's own odd events
+        if len(T) > MAX_TRACKED:
+            raise TreeDpGaveUp(f"not a sequential chain: {len(T)} events see sibling subtrees overlap (> {MAX_TRACKED} tracked)")
+        reg = ~np.isin(events, T)
+        fneed = np.full(len(kids) + 1, -math.inf)  # per step: the largest need of the regular events no kid is in
+        free = reg & (who < 0)
+        np.maximum.at(fneed, prefix[free], self.need[events][free])
+        cost, held, req, X = np.zeros(1), np.zeros(1), np.full(1, -math.inf), np.zeros((1, len(T)))
         steps: list[tuple[np.ndarray, np.ndarray, Front3]] = []
         lo, hi = out  # bounds of what the outside and the kids so far add at the next kid's events
         best = np.array([self.lbest[k] for k in kids])
         after = rest + (best.sum() - np.cumsum(best))  # Lagrangian cost of the kids after each one, and outside
-        slopes = self.slopes(kids)
+        modes = self.star_modes(kids)
+        slopes = [None if m is None else self.lam if m else 0.0 for m in modes]
+        after_k = self.after(kids, outside)
         for j, k in enumerate(kids):
             req = np.maximum(req, fneed[j] - held)
-            front = self.node(k, (lo, hi), rest + best.sum() - best[j])
+            inside = np.isin(T, self.internal(k))
+            front = self.node(k, (lo, hi), rest + best.sum() - best[j], self.kid_outside(kids, j, outside), T[inside])
             lo, hi = lo + self.hmin[k], hi + self.hmax[k]
             ia, ib = self.pairs(held, req, front, out[1], (slopes[j], after[j], cost))
-            c2, h2, r2 = cost[ia] + front.cost[ib], held[ia] + front.held[ib], np.maximum(req[ia], front.req[ib] - held[ia])
-            keep = self.reduce(c2, h2, r2, out)
-            cost, held, req = c2[keep], h2[keep], r2[keep]
+            if after_k is not None and modes[j] is not None and len(ia):  # the integer bound at estar
+                ia, ib = self.knap_cut(ia, ib, cost, held if modes[j] else None, front, after_k[j])
+            at = np.zeros((len(front.cost), len(T)))  # the kid's contribution at the tracked events
+            at[:, inside] = front.ex
+            at[:, ~inside & self.held_all[k][T]] = front.held[:, None]
+            c2, h2 = cost[ia] + front.cost[ib], held[ia] + front.held[ib]
+            r2, X2 = np.maximum(req[ia], front.req[ib] - held[ia]), X[ia] + at[ib]
+            keep = self.reduce(c2, h2, r2, out, X2)
+            cost, held, req, X = c2[keep], h2[keep], r2[keep], X2[keep]
             steps.append((ia[keep], ib[keep], front))
         req = np.maximum(req, fneed[-1] - held)
-        last = self.reduce(cost, held, req, out)
+        mine = ~np.isin(T, track)  # this chain's own odd events: the outside adds its uniform offset there
+        req = np.maximum(req, np.max(self.need[T[mine]][None, :] - X[:, mine], axis=1, initial=-math.inf))
+        X = X[:, ~mine]
+        last = self.reduce(cost, held, req, out, X)
 
         def recover(i: int) -> list[tuple[int, int]]:
             out: list[tuple[int, int]] = []
@@ -266,7 +307,7 @@ class ChainDp:
                 i = int(ia[i])
             return out
 
-        return Front3(cost[last], held[last], req[last], recover)
+        return Front3(cost[last], held[last], req[last], X[last], recover)
 
     def pairs(
         self, held: np.ndarray, req: np.ndarray, front: Front3, omax: float, bound: tuple[float | None, float, np.ndarray],
@@ -331,16 +372,67 @@ class ChainDp:
         bound, self.lbest = self.lagrangian(a)
         return bound
 
-    def slopes(self, kids: list[int]) -> list[float | None]:
-        """Per step of the chain ``kids``, what the states' held bytes count at ``estar`` in their bound: ``lam``
-        when every kid so far is held there, 0 when every one is zero there, None (no bound) otherwise."""
-        out: list[float | None] = []
+    def star_modes(self, kids: list[int]) -> list[bool | None]:
+        """Per step of the chain ``kids``, what the states' held bytes are at ``estar``: all of it (True: every
+        kid so far is held there), nothing (False: every one is zero there), unknown (None) otherwise."""
+        out: list[bool | None] = []
         all_held = all_zero = True
         for k in kids:
             all_held &= bool(self.held_all[k][self.estar])
             all_zero &= bool(self.zero_all[k][self.estar])
-            out.append(self.lam if all_held else 0.0 if all_zero else None)
+            out.append(True if all_held else False if all_zero else None)
         return out
+
+    # -- the integer bound at estar (sacplan.solver.event_knapsack) --------------------------------------------
+    def after(self, kids: list[int], outside: np.ndarray | None) -> list[np.ndarray] | None:
+        """Per step of the chain ``kids`` (in chain order), the dense integer bound of the kids after it and
+        the chain's ``outside`` (None: no bound)."""
+        if outside is None or self.knap is None:
+            return None
+        key = (id(outside),) + tuple(kids)
+        if key not in self.suffix:
+            out = [outside]
+            for k in reversed(kids[1:]):
+                out.append(self.knap.add(out[-1], self.knap.sparse(k)))
+            self.suffix[key] = out[::-1]
+        return self.suffix[key]
+
+    def kid_outside(self, kids: list[int], j: int, outside: np.ndarray | None) -> np.ndarray | None:
+        """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside``: the chain's other
+        kids too; only for chains of at most :data:`OUTSIDE_KIDS` kids (else None: each costs a sum per kid)."""
+        if outside is None or self.knap is None or len(kids) > OUTSIDE_KIDS:
+            return None
+        if kids[j] not in self.outside:
+            d = outside
+            for i, k in enumerate(kids):
+                if i != j:
+                    d = self.knap.add(d, self.knap.sparse(k))
+            self.outside[kids[j]] = d
+        return self.outside[kids[j]]
+
+    def knap_bound(self) -> float:
+        """Builds the integer bound at estar; returns its value for the whole forest (ms; a lower bound of every
+        plan's cost)."""
+        stars = [(lv[1], self.star(s)) for s, lv in enumerate(self.levels)]
+        self.knap = EventKnapsack(self.children, stars, float(self.need[self.estar]), self.spend)
+        self.nothing = d = self.knap.nothing()
+        for s in self.top:
+            d = self.knap.add(d, self.knap.sparse(s))
+        return float(d[self.knap.needed(float(self.need[self.estar]) - self.tol)])
+
+    def knap_cut(
+        self, ia: np.ndarray, ib: np.ndarray, cost: np.ndarray, held: np.ndarray | None, front: Front3,
+        after: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs whose integer bound does not exceed the incumbent: their cost plus ``after`` at the units
+        still needed at estar (``held`` None: the kids hold nothing there)."""
+        if not math.isfinite(self.incumbent):
+            return ia, ib
+        self.spend(4 * len(ia))
+        have = 0.0 if held is None else held[ia] + front.held[ib]
+        left = self.knap.needed(float(self.need[self.estar]) - have - self.tol)
+        ok = cost[ia] + front.cost[ib] + after[left] <= self.incumbent + self.lb_slack
+        return ia[ok], ib[ok]
 
     def solve(self) -> tuple[np.ndarray, np.ndarray, float] | None:
         """(y, r, DP cost ms) of the cheapest plan meeting every binding event within ``tol``; None when none does.
@@ -349,7 +441,7 @@ class ChainDp:
         n = self.P.num_candidates
         if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
             return np.zeros(n), np.zeros(n), 0.0
-        bound = self.multiplier()
+        bound = max(self.multiplier(), self.knap_bound())
         self.beam = True
         first = self.best()
         self.beam = False
@@ -380,7 +472,7 @@ class ChainDp:
         """One pass of the DP (see :meth:`solve`): the cheapest root point meeting every event, or None."""
         n = self.P.num_candidates
         y, r = np.zeros(n), np.zeros(n)
-        root = self.chain(self.top, np.arange(len(self.need)), (0.0, 0.0), 0.0)
+        root = self.chain(self.top, np.arange(len(self.need)), (0.0, 0.0), 0.0, self.nothing, np.zeros(0, np.int64))
         ok = np.nonzero(root.req <= self.tol)[0]
         if not len(ok):
             return None
