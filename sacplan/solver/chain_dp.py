@@ -64,7 +64,7 @@ from typing import Callable
 import numpy as np
 
 from sacplan.solver import limits
-from sacplan.solver.event_knapsack import EventKnapsack
+from sacplan.solver.event_knapsack import COARSE_UNITS, UNITS, EventKnapsack
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import (
     MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
@@ -74,10 +74,10 @@ from sacplan.solver.tree_dp import (
 #: Measured (benchmarks/RESULTS.md, "The trees users bring"): the user trees' proofs spend 18-122 million units
 #: (T5-large the most, 17 s on the loaded 2-core host); Gemma-2-2B is not proven at 300 million (27-60 s there),
 #: so the limit gives up past the largest proof and leaves the MILP most of a 60 s call
-WORK = 150_000_000
+WORK = 300_000_000
 #: relative gaps above the Lagrangian bound tried in turn as the pruning threshold (each pass exact; the last
 #: guess that finds a plan proves it)
-GUESSES = (0.002, 0.01, 0.04, 0.16, 0.64)
+GUESSES = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.04, 0.16, 0.64)
 #: golden-section steps for the Lagrangian multiplier (each shrinks the interval by 0.618)
 GOLDEN_STEPS = 60
 #: chains of at most this many kids pass each kid the integer bound of what lies outside it
@@ -276,7 +276,7 @@ class ChainDp:
         after = rest + (best.sum() - np.cumsum(best))  # Lagrangian cost of the kids after each one, and outside
         modes = self.star_modes(kids)
         slopes = [None if m is None else self.lam if m else 0.0 for m in modes]
-        after_k = self.after(kids, outside)
+        after_k = self.after(kids, outside) if any(m is not None for m in modes) else None
         for j, k in enumerate(kids):
             req = np.maximum(req, fneed[j] - held)
             inside = np.isin(T, self.internal(k))
@@ -399,8 +399,10 @@ class ChainDp:
 
     def kid_outside(self, kids: list[int], j: int, outside: np.ndarray | None) -> np.ndarray | None:
         """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside``: the chain's other
-        kids too; only for chains of at most :data:`OUTSIDE_KIDS` kids (else None: each costs a sum per kid)."""
-        if outside is None or self.knap is None or len(kids) > OUTSIDE_KIDS:
+        kids too; only below the root (while the outside is nothing) and for chains of at most
+        :data:`OUTSIDE_KIDS` kids (else None: each costs a sum per kid, and the long chains near the root are
+        where the bound prunes)."""
+        if outside is not self.nothing or self.knap is None or len(kids) > OUTSIDE_KIDS:
             return None
         if kids[j] not in self.outside:
             d = outside
@@ -410,15 +412,20 @@ class ChainDp:
             self.outside[kids[j]] = d
         return self.outside[kids[j]]
 
-    def knap_bound(self) -> float:
-        """Builds the integer bound at estar; returns its value for the whole forest (ms; a lower bound of every
-        plan's cost)."""
+    def knap_bound(self, lagrangian: float) -> float:
+        """Builds the integer bound at estar, on the coarse grid and, where that beats the ``lagrangian`` bound
+        (ms; the blocks' fixed costs matter), on the fine one; returns its value for the whole forest (ms; a
+        lower bound of every plan's cost)."""
         stars = [(lv[1], self.star(s)) for s, lv in enumerate(self.levels)]
-        self.knap = EventKnapsack(self.children, stars, float(self.need[self.estar]), self.spend)
-        self.nothing = d = self.knap.nothing()
-        for s in self.top:
-            d = self.knap.add(d, self.knap.sparse(s))
-        return float(d[self.knap.needed(float(self.need[self.estar]) - self.tol)])
+        for units in (COARSE_UNITS, UNITS):
+            self.knap = EventKnapsack(self.children, stars, float(self.need[self.estar]), self.spend, units)
+            self.nothing = d = self.knap.nothing()
+            for s in self.top:
+                d = self.knap.add(d, self.knap.sparse(s))
+            bound = float(d[self.knap.needed(float(self.need[self.estar]) - self.tol)])
+            if bound <= lagrangian:
+                break
+        return bound
 
     def knap_cut(
         self, ia: np.ndarray, ib: np.ndarray, cost: np.ndarray, held: np.ndarray | None, front: Front3,
@@ -441,7 +448,8 @@ class ChainDp:
         n = self.P.num_candidates
         if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
             return np.zeros(n), np.zeros(n), 0.0
-        bound = max(self.multiplier(), self.knap_bound())
+        bound = self.multiplier()
+        bound = max(bound, self.knap_bound(bound))
         self.beam = True
         first = self.best()
         self.beam = False
