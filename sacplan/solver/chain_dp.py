@@ -83,7 +83,7 @@ GOLDEN_STEPS = 60
 #: chains of at most this many kids pass each kid the integer bound of what lies outside it
 OUTSIDE_KIDS = 4
 #: events where sibling subtrees overlap that one chain may track exactly (each one more coordinate per state)
-MAX_TRACKED = 8
+MAX_TRACKED = 16
 #: state × point pairs formed at once (memory of one chunk: a few arrays of this length)
 CHUNK_PAIRS = 1_000_000
 

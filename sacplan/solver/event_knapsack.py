@@ -14,7 +14,7 @@ pruned. This module solves the same one-event problem in integers instead:
 
 A lower bound: ``D`` of one set is exact at every grid point; adding a set to ``D`` shifts each of its points by
 ``ceil(b/w)`` units (the rest then needs at most ``x - ceil(b/w)`` of them), a larger subtree enters as the points
-``(x·w, D[x])`` of its own array, and a look-up of ``y`` bytes reads ``D[floor(y/w)]`` (less needed, never more):
+``((x+1)·w, D[x])`` of its own array (a plan counted at ``x`` may reach nearly ``(x+1)·w``), and a look-up of ``y`` bytes reads ``D[floor(y/w)]`` (less needed, never more):
 so every ``D[x]`` is at most the cost of any plan reaching ``x·w``. Rounding loses less than ``w`` per set added
 (:data:`UNITS` 65536: ~1 MB, ~0.002 ms per Gemma layer); identical subtrees share one set (a key of their levels and
 children), and every sum is counted as work.
@@ -56,6 +56,9 @@ class EventKnapsack:
         self.keys: dict[int, int] = {}
         self.key_ids: dict[tuple, int] = {}
         self.memo: dict[int, Sparse] = {}
+        self.zero = np.full(self.units + 1, math.inf)
+        self.zero[0] = 0.0
+        self.zero.flags.writeable = False
 
     def needed(self, byts: np.ndarray | float) -> np.ndarray:
         """The index of the dense arrays to read for ``byts`` bytes still needed: ``floor(byts / w)`` in
@@ -87,8 +90,9 @@ class EventKnapsack:
                 for c in self.children[s]:
                     d = self.add(d, self.sparse(c))
                 d = np.minimum(d, self.add(self.nothing(), own))
-                x = np.nonzero(np.isfinite(d) & np.append(d[1:] > d[:-1], True))[0]  # the staircase's steps
-                self.memo[k] = (x * self.w, d[x])
+                # the staircase's steps: D[x] reaches x·w, maybe up to (x + 1)·w (rounded up: still a lower bound)
+                x = np.nonzero(np.isfinite(d) & np.append(d[1:] > d[:-1], True))[0]
+                self.memo[k] = (np.minimum((x + 1) * self.w, self.need), d[x])
         return self.memo[k]
 
     def add_sparse(self, a: Sparse, b: Sparse) -> Sparse:
@@ -103,15 +107,15 @@ class EventKnapsack:
         return pareto(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
     def nothing(self) -> np.ndarray:
-        """The dense array of no subtree: 0 ms for 0 units, nothing more reachable."""
-        d = np.full(self.units + 1, math.inf)
-        d[0] = 0.0
-        return d
+        """The dense array of no subtree: 0 ms for 0 units, nothing more reachable (one read-only array: adding a
+        set to it is exact, :meth:`add`)."""
+        return self.zero
 
     def add(self, d: np.ndarray, sp: Sparse) -> np.ndarray:
         """``d`` (dense) plus a subtree's set: ``min over points (b, c) of c + d[max(x - ceil(b/w), 0)]`` per
-        ``x`` (added to :meth:`nothing`: exact, ``min c over b >= x·w``)."""
-        if np.isinf(d[1:]).all():
+        ``x`` (added to :meth:`nothing` itself: exact, ``min c over b >= x·w``; an array of real subtrees that
+        looks alike still has bytes below one unit, which the rounded-up shift accounts for)."""
+        if d is self.zero:
             out = np.full(self.units + 1, math.inf)
             np.minimum.at(out, np.minimum(np.floor(sp[0] / self.w + 1e-9), self.units).astype(np.int64), sp[1])
             self.spend(len(sp[0]) + self.units)
