@@ -20,14 +20,21 @@ requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓): t
 * ``P`` checkpointed at level ``k`` (its descendants not): ``(q_k, h_{P,k}, max_{e∈I_P}(need[e] - v_{P,k}[e]))``.
 * ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P``
   the children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}``
-  exactly the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked, else the DP
-  gives up). So the DP sweeps the children keeping the Pareto set of states ``(cost ↓, H ↑, R ↓)``: ``H`` the
+  exactly the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked: the events
+  where it fails are *tracked*, below). So the DP sweeps the children keeping the Pareto set of states ``(cost ↓, H ↑, R ↓)``: ``H`` the
   held bytes of the children so far, ``R`` the largest requirement so far relative to ``O``. Adding child ``j``'s
   point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event of ``I_P`` with prefix ``t`` and no
   child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update is monotone in the state, so a
   dominated state never leads to a better plan: the Pareto filter is exact. The chain's end ``(cost, H, R)`` is
   ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are held (before ``j``) or zero
   (after): a uniform offset, as claimed above, by induction from the root.
+* **Tracked events**: where siblings overlap (nn.Transformer's post-norm decoder layer: part of the cross
+  attention's backward runs after norm1's; a block called twice), an event sees no prefix, or two kids inside.
+  Such events (and those the caller tracks) are kept out of ``R``: each state carries the kids' exact sum there
+  (one more coordinate each, more is better in the Pareto filter; a kid adds its ``h`` where held, 0 where zero,
+  its own tracked sum where inside — its front carries those), and at the chain's end ``need[e] - sum`` joins
+  ``R`` (the outside's offset is uniform there: the caller sees a prefix) or passes up to the caller that tracks
+  it. Up to :data:`MAX_TRACKED` per chain, else the DP gives up.
 * The root: the chain of the top-level candidates over every binding event with offset 0; the cheapest final
   state with ``R <= tol`` is the optimum.
 
@@ -46,6 +53,12 @@ Pruning, all exact:
   front (:meth:`ChainDp.thin`); ``U`` is tried first at small gaps above the bound (:data:`GUESSES`): a pass
   that finds a plan costing at most ``U`` has found the optimum (every pruned state's plans cost more than
   ``U``), one that finds none proves the optimum costs more than ``U`` and the next guess is tried.
+* An integer bound (:mod:`~sacplan.solver.event_knapsack`): the same one-event problem solved in integers on a
+  grid (the least cost for a run of subtrees to discard ``x`` grid units at ``e*``), a lower bound too. Where
+  blocks carry a fixed cost the LP bound sits a block below the optimum (Gemma-2-2B: 134.7 against 137.8 ms)
+  and prunes nothing; the integer one is within the grid's rounding (~0.1 ms). Built where it beats the
+  Lagrangian bound on a coarse grid; it bounds the root and, per step of the chains near the root (the
+  outside of the root's kids known), ``cost +`` the run after the step at ``need[e*] - H``.
 
 Fronts are 3-D (2-D filters on (H, -R) by cost), so they stay small whatever the number of binding events.
 Float sums differ from the exact model by far less than ``tol`` (:data:`~sacplan.solver.tree_dp.TOL_REL`); the
@@ -70,10 +83,10 @@ from sacplan.solver.tree_dp import (
     MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
 )
 
-#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered).
-#: Measured (benchmarks/RESULTS.md, "The trees users bring"): the user trees' proofs spend 18-122 million units
-#: (T5-large the most, 17 s on the loaded 2-core host); Gemma-2-2B is not proven at 300 million (27-60 s there),
-#: so the limit gives up past the largest proof and leaves the MILP most of a 60 s call
+#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered,
+#: grid slices / 16). Measured (benchmarks/RESULTS.md, "Issue 26.2"): the user trees' proofs spend 29-204 million
+#: units (Gemma-2-2B the most: 3.4 s at load 8 on the 2-core host), so the limit gives up at 1.5 times the largest
+#: proof and leaves the MILP most of a 60 s call
 WORK = 300_000_000
 #: relative gaps above the Lagrangian bound tried in turn as the pruning threshold (each pass exact; the last
 #: guess that finds a plan proves it)
