@@ -16,7 +16,8 @@ A lower bound: ``D`` of one set is exact at every grid point; adding a set to ``
 ``ceil(b/w)`` units (the rest then needs at most ``x - ceil(b/w)`` of them), a larger subtree enters as the points
 ``((x+1)·w, D[x])`` of its own array (a plan counted at ``x`` may reach nearly ``(x+1)·w``), and a look-up of ``y`` bytes reads ``D[floor(y/w)]`` (less needed, never more):
 so every ``D[x]`` is at most the cost of any plan reaching ``x·w``. Rounding loses less than ``w`` per set added
-(:data:`UNITS` 65536: ~1 MB, ~0.002 ms per Gemma layer); identical subtrees share one set (a key of their levels and
+(:data:`UNITS` 65536: ~1 MB, ~0.002 ms per Gemma layer; a set of more than :data:`MAX_STEPS` points added to a
+non-empty array is first rounded up to ``need / MAX_STEPS``); identical subtrees share one set (a key of their levels and
 children), and every sum is counted as work.
 """
 
@@ -33,6 +34,9 @@ UNITS = 65536
 COARSE_UNITS = 4096
 #: subtrees of at most this many candidates get an exact Pareto set; larger ones a dense array
 SMALL = 32
+#: points of a set added to a (non-empty) array above which its bytes are rounded up to ``need / MAX_STEPS`` first
+#: (a large subtree's staircase: each point costs a pass over the array)
+MAX_STEPS = 1024
 #: pairs formed at once when two sets are summed (memory)
 CHUNK = 4_000_000
 
@@ -120,6 +124,9 @@ class EventKnapsack:
             np.minimum.at(out, np.minimum(np.floor(sp[0] / self.w + 1e-9), self.units).astype(np.int64), sp[1])
             self.spend(len(sp[0]) + self.units)
             return np.minimum.accumulate(out[::-1])[::-1]
+        if len(sp[0]) > MAX_STEPS:  # rounded up to a coarser grid: still a lower bound
+            step = self.need / MAX_STEPS
+            sp = pareto(np.minimum(np.ceil(sp[0] / step) * step, self.need), sp[1])
         shift = np.minimum(np.ceil(sp[0] / self.w - 1e-9), self.units).astype(np.int64)  # (rounding: optimistic)
         first = np.ones(len(shift), dtype=bool)  # the cheapest point per shift (costs ascend with bytes)
         first[1:] = shift[1:] != shift[:-1]
