@@ -18,16 +18,16 @@ requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓): t
 (below) — is ``>= ρ``.
 
 * ``P`` checkpointed at level ``k`` (its descendants not): ``(q_k, h_{P,k}, max_{e∈I_P}(need[e] - v_{P,k}[e]))``.
-* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P``
-  the children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}``
-  exactly the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked: the events
-  where it fails are *tracked*, below). So the DP sweeps the children keeping the Pareto set of states ``(cost ↓, H ↑, R ↓)``: ``H`` the
-  held bytes of the children so far, ``R`` the largest requirement so far relative to ``O``. Adding child ``j``'s
-  point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event of ``I_P`` with prefix ``t`` and no
-  child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update is monotone in the state, so a
-  dominated state never leads to a better plan: the Pareto filter is exact. The chain's end ``(cost, H, R)`` is
-  ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are held (before ``j``) or zero
-  (after): a uniform offset, as claimed above, by induction from the root.
+* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P`` the
+  children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}`` exactly
+  the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked: the events where it
+  fails are *tracked*, below). So the DP sweeps the children keeping the Pareto set of states
+  ``(cost ↓, H ↑, R ↓)``: ``H`` the held bytes of the children so far, ``R`` the largest requirement so far
+  relative to ``O``. Adding child ``j``'s point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event
+  of ``I_P`` with prefix ``t`` and no child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update
+  is monotone in the state, so a dominated state never leads to a better plan: the Pareto filter is exact. The
+  chain's end ``(cost, H, R)`` is ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are
+  held (before ``j``) or zero (after): a uniform offset, as claimed above, by induction from the root.
 * **Tracked events**: where siblings overlap (nn.Transformer's post-norm decoder layer: part of the cross
   attention's backward runs after norm1's; a block called twice), an event sees no prefix, or two kids inside.
   Such events (and those the caller tracks) are kept out of ``R``: each state carries the kids' exact sum there
@@ -279,7 +279,8 @@ class ChainDp:
                                                                          np.zeros(len(events), bool))
         T = np.union1d(track, events[odd])  # tracked here: the caller's, then this chain's own odd events
         if len(T) > MAX_TRACKED:
-            raise TreeDpGaveUp(f"not a sequential chain: {len(T)} events see sibling subtrees overlap (> {MAX_TRACKED} tracked)")
+            raise TreeDpGaveUp(f"not a sequential chain: {len(T)} events see sibling subtrees overlap "
+                               f"(> {MAX_TRACKED} tracked)")
         reg = ~np.isin(events, T)
         fneed = np.full(len(kids) + 1, -math.inf)  # per step: the largest need of the regular events no kid is in
         free = reg & (who < 0)

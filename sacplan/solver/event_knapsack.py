@@ -14,11 +14,11 @@ pruned. This module solves the same one-event problem in integers instead:
 
 A lower bound: ``D`` of one set is exact at every grid point; adding a set to ``D`` shifts each of its points by
 ``ceil(b/w)`` units (the rest then needs at most ``x - ceil(b/w)`` of them), a larger subtree enters as the points
-``((x+1)·w, D[x])`` of its own array (a plan counted at ``x`` may reach nearly ``(x+1)·w``), and a look-up of ``y`` bytes reads ``D[floor(y/w)]`` (less needed, never more):
-so every ``D[x]`` is at most the cost of any plan reaching ``x·w``. Rounding loses less than ``w`` per set added
-(:data:`UNITS` 65536: ~1 MB, ~0.002 ms per Gemma layer; a set of more than :data:`MAX_STEPS` points added to a
-non-empty array is first rounded up to ``need / MAX_STEPS``); identical subtrees share one set (a key of their levels and
-children), and every sum is counted as work.
+``((x+1)·w, D[x])`` of its own array (a plan counted at ``x`` may reach nearly ``(x+1)·w``), and a look-up of ``y``
+bytes reads ``D[floor(y/w)]`` (less needed, never more): so every ``D[x]`` is at most the cost of any plan reaching
+``x·w``. Rounding loses less than ``w`` per set added (:data:`UNITS` 65536: ~1 MB, ~0.002 ms per Gemma layer; a set
+of more than :data:`MAX_STEPS` points added to a non-empty array is first rounded up to ``need / MAX_STEPS``);
+identical subtrees share one set (a key of their levels and children), and every sum is counted as work.
 """
 
 from __future__ import annotations
