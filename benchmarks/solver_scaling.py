@@ -15,6 +15,8 @@ config objects, planned at the budget midway between the minimum feasible and th
 settings (deterministic work limit, 60 s safety net: seconds, status, gap, who proved it, the chain DP's work
 units) and side by side main's path, ``SolverOptions(chain_dp=False)`` (the tree DP, then the MILP: seconds,
 status, gap, nodes, what stopped it), and whether the two plans agree. Timings are wall seconds of this host.
+Old against new code (issue 26.2's table in benchmarks/RESULTS.md): ``--no-old`` with the same ``--cache`` on each
+checkout (``git archive <commit> | tar -x -C old/``, then ``PYTHONPATH=old``), one tree at a time (``--only``).
 
 Trees: synthetic Llama-7B-shaped models (``sacplan/testing/llama_tree.py:llama_spec``; the per-module bytes and
 milliseconds are derived in its docstring: hidden 4096, seq 4096, batch 1, bf16, flash attention, H100-SXM,

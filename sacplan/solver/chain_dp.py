@@ -18,16 +18,23 @@ requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓): t
 (below) — is ``>= ρ``.
 
 * ``P`` checkpointed at level ``k`` (its descendants not): ``(q_k, h_{P,k}, max_{e∈I_P}(need[e] - v_{P,k}[e]))``.
-* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P``
-  the children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}``
-  exactly the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked, else the DP
-  gives up). So the DP sweeps the children keeping the Pareto set of states ``(cost ↓, H ↑, R ↓)``: ``H`` the
-  held bytes of the children so far, ``R`` the largest requirement so far relative to ``O``. Adding child ``j``'s
-  point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event of ``I_P`` with prefix ``t`` and no
-  child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update is monotone in the state, so a
-  dominated state never leads to a better plan: the Pareto filter is exact. The chain's end ``(cost, H, R)`` is
-  ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are held (before ``j``) or zero
-  (after): a uniform offset, as claimed above, by induction from the root.
+* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P`` the
+  children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}`` exactly
+  the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked: the events where it
+  fails are *tracked*, below). So the DP sweeps the children keeping the Pareto set of states
+  ``(cost ↓, H ↑, R ↓)``: ``H`` the held bytes of the children so far, ``R`` the largest requirement so far
+  relative to ``O``. Adding child ``j``'s point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event
+  of ``I_P`` with prefix ``t`` and no child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update
+  is monotone in the state, so a dominated state never leads to a better plan: the Pareto filter is exact. The
+  chain's end ``(cost, H, R)`` is ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are
+  held (before ``j``) or zero (after): a uniform offset, as claimed above, by induction from the root.
+* **Tracked events**: where siblings overlap (nn.Transformer's post-norm decoder layer: part of the cross
+  attention's backward runs after norm1's; a block called twice), an event sees no prefix, or two kids inside.
+  Such events (and those the caller tracks) are kept out of ``R``: each state carries the kids' exact sum there
+  (one more coordinate each, more is better in the Pareto filter; a kid adds its ``h`` where held, 0 where zero,
+  its own tracked sum where inside — its front carries those), and at the chain's end ``need[e] - sum`` joins
+  ``R`` (the outside's offset is uniform there: the caller sees a prefix) or passes up to the caller that tracks
+  it. Up to :data:`MAX_TRACKED` per chain, else the DP gives up.
 * The root: the chain of the top-level candidates over every binding event with offset 0; the cheapest final
   state with ``R <= tol`` is the optimum.
 
@@ -46,6 +53,12 @@ Pruning, all exact:
   front (:meth:`ChainDp.thin`); ``U`` is tried first at small gaps above the bound (:data:`GUESSES`): a pass
   that finds a plan costing at most ``U`` has found the optimum (every pruned state's plans cost more than
   ``U``), one that finds none proves the optimum costs more than ``U`` and the next guess is tried.
+* An integer bound (:mod:`~sacplan.solver.event_knapsack`): the same one-event problem solved in integers on a
+  grid (the least cost for a run of subtrees to discard ``x`` grid units at ``e*``), a lower bound too. Where
+  blocks carry a fixed cost the LP bound sits a block below the optimum (Gemma-2-2B: 134.7 against 137.8 ms)
+  and prunes nothing; the integer one is within the grid's rounding (~0.1 ms). Built where it beats the
+  Lagrangian bound on a coarse grid; it bounds the root and, per step of the chains near the root (the
+  outside of the root's kids known), ``cost +`` the run after the step at ``need[e*] - H``.
 
 Fronts are 3-D (2-D filters on (H, -R) by cost), so they stay small whatever the number of binding events.
 Float sums differ from the exact model by far less than ``tol`` (:data:`~sacplan.solver.tree_dp.TOL_REL`); the
@@ -64,21 +77,28 @@ from typing import Callable
 import numpy as np
 
 from sacplan.solver import limits
+from sacplan.solver.event_knapsack import COARSE_UNITS, UNITS, EventKnapsack
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import (
     MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
 )
 
-#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered).
-#: Measured (benchmarks/RESULTS.md, "The trees users bring"): the user trees' proofs spend 18-122 million units
-#: (T5-large the most, 17 s on the loaded 2-core host); Gemma-2-2B is not proven at 300 million (27-60 s there),
-#: so the limit gives up past the largest proof and leaves the MILP most of a 60 s call
-WORK = 150_000_000
+#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered,
+#: grid slices / 16). Measured (benchmarks/RESULTS.md, "Issue 26.2"): the user trees' proofs spend 29-204 million
+#: units (Gemma-2-2B the most: 3.4 s at load 8 on the 2-core host), so the limit gives up at 1.5 times the largest
+#: proof and leaves the MILP most of a 60 s call
+WORK = 300_000_000
 #: relative gaps above the Lagrangian bound tried in turn as the pruning threshold (each pass exact; the last
 #: guess that finds a plan proves it)
 GUESSES = (0.002, 0.01, 0.04, 0.16, 0.64)
+#: tried before them where the bound is the fine integer one (within ~0.1% of the optimum on the user trees)
+FINE_GUESSES = (0.0005, 0.001)
 #: golden-section steps for the Lagrangian multiplier (each shrinks the interval by 0.618)
 GOLDEN_STEPS = 60
+#: chains of at most this many kids pass each kid the integer bound of what lies outside it
+OUTSIDE_KIDS = 4
+#: events where sibling subtrees overlap that one chain may track exactly (each one more coordinate per state)
+MAX_TRACKED = 16
 #: state × point pairs formed at once (memory of one chunk: a few arrays of this length)
 CHUNK_PAIRS = 1_000_000
 
@@ -89,11 +109,13 @@ Recover = Callable[[int], list[tuple[int, int]]]
 @dataclasses.dataclass(frozen=True)
 class Front3:
     """Pareto points of one subtree: recompute ``cost`` (ms), ``held`` bytes outside its internal events,
-    requirement ``req`` (bytes the outside must add there); ``recover(i)`` lists what point ``i`` checkpoints."""
+    requirement ``req`` (bytes the outside must add there), ``ex`` its exact contributions (bytes) at the events its
+    caller tracks (points × events); ``recover(i)`` lists what point ``i`` checkpoints."""
 
     cost: np.ndarray
     held: np.ndarray
     req: np.ndarray
+    ex: np.ndarray
     recover: Recover
 
 
@@ -132,6 +154,12 @@ class ChainDp:
         self.estar = int(np.argmax(self.need)) if len(self.need) else -1
         self.lam, self.lbest = 0.0, np.zeros(n)
         self.incumbent, self.lb_slack, self.beam = math.inf, 0.0, False
+        #: the integer bound at estar (module docstring), dense arrays of what lies outside a subtree and after
+        #: each step of a chain (cached: they do not depend on the incumbent)
+        self.knap: EventKnapsack | None = None
+        self.outside: dict[int, np.ndarray] = {}
+        self.suffix: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.nothing: np.ndarray | None = None
 
     def spend(self, units: int) -> None:
         """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
@@ -169,15 +197,18 @@ class ChainDp:
         return np.nonzero(~(self.held_all[s] | self.zero_all[s]))[0]
 
     # -- fronts ---------------------------------------------------------------------------------------------
-    def reduce(self, cost: np.ndarray, held: np.ndarray, req: np.ndarray, out: tuple[float, float]) -> np.ndarray:
-        """Indices of the points that can still be met and are not dominated, when the outside adds between
-        ``out = (omin, omax)`` bytes: ``req`` below ``omin`` is raised to it and ``held`` above :attr:`hcap`
-        lowered to it (in place; both exact, module docstring), points with ``req > omax + tol`` dropped."""
+    def reduce(
+        self, cost: np.ndarray, held: np.ndarray, req: np.ndarray, out: tuple[float, float], ex: np.ndarray,
+    ) -> np.ndarray:
+        """Indices of the points that can still be met and are not dominated (exact contributions ``ex`` at
+        tracked events: more is better), when the outside adds between ``out = (omin, omax)`` bytes: ``req`` below
+        ``omin`` is raised to it and ``held`` above :attr:`hcap` lowered to it (in place; both exact, module
+        docstring), points with ``req > omax + tol`` dropped."""
         np.maximum(req, out[0], out=req)
         np.minimum(held, self.hcap, out=held)
         ok = np.nonzero(req <= out[1] + self.tol)[0]
         self.spend(3 * len(ok))
-        keep = ok[pareto(cost[ok], np.stack([held[ok], -req[ok]], axis=1), self.spend)]
+        keep = ok[pareto(cost[ok], np.column_stack([held[ok], -req[ok], ex[ok]]), self.spend)]
         if self.beam and len(keep):
             keep = keep[self.thin(cost[keep], held[keep], req[keep])]
         self.sizes.append(len(keep))
@@ -185,31 +216,39 @@ class ChainDp:
             raise TreeDpGaveUp(f"a chain front reached {len(keep)} points (> {MAX_FRONT})")
         return keep
 
-    def node(self, s: int, out: tuple[float, float], rest: float) -> Front3:
+    def node(
+        self, s: int, out: tuple[float, float], rest: float, outside: np.ndarray | None, track: np.ndarray,
+    ) -> Front3:
         """The front of slot ``s``'s subtree whose outside adds ``out = (omin, omax)`` bytes at its internal
-        events, and whose outside's Lagrangian cost is at least ``rest`` (ms, :meth:`lagrangian`)."""
+        events but those in ``track``, tracked by its caller (ascending binding-event indices: their exact contributions
+        go into ``ex`` instead), and whose outside's Lagrangian cost is at least ``rest`` (ms,
+        :meth:`lagrangian`) and integer bound at estar ``outside`` (dense, :mod:`~sacplan.solver.event_knapsack`;
+        None: unknown)."""
         events = self.internal(s)
         ratio, q, surge = self.levels[s]
         v = self.C[events, s][None, :] * ratio[:, None] - self.Y[events, s][None, :]
         v -= (self.P.ev_surge[self.binding[events]] == s)[None, :] * surge[:, None]
-        own_req = np.max(self.need[events][None, :] - v, axis=1, initial=-math.inf)
+        tracked = np.isin(events, track)
+        own_req = np.max(self.need[events[~tracked]][None, :] - v[:, ~tracked], axis=1, initial=-math.inf)
         own_held = self.A[s] * ratio - self.o[s]
-        kids = self.chain(self.children[s], events, out, rest)
+        kids = self.chain(self.children[s], events, out, rest, outside, track)
         cost = np.concatenate([q, kids.cost])
         held = np.concatenate([own_held, kids.held])
         req = np.concatenate([own_req, kids.req])
-        keep = self.reduce(cost, held, req, out)
+        ex = np.concatenate([v[:, tracked], kids.ex])
+        keep = self.reduce(cost, held, req, out, ex)
         nq = len(q)
 
         def recover(i: int) -> list[tuple[int, int]]:
             j = int(keep[i])
             return [(s, j)] if j < nq else kids.recover(j - nq)
 
-        return Front3(cost[keep], held[keep], req[keep], recover)
+        return Front3(cost[keep], held[keep], req[keep], ex[keep], recover)
 
-    def order(self, kids: list[int], events: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """``kids`` in chain order and, per event of ``events``, the kid internal there (-1: none) and the prefix
-        of held kids; :class:`TreeDpGaveUp` when the events do not see the kids as a sequential chain."""
+    def order(self, kids: list[int], events: np.ndarray) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+        """``kids`` in chain order and, per event of ``events``, the kid internal there (-1: none), the prefix
+        of held kids, and whether the event sees them otherwise than as a sequential chain (two kids inside, or
+        the held kids not a prefix: such events are tracked exactly, :meth:`chain`)."""
         held = np.array([self.held_all[k][events] for k in kids]).reshape(len(kids), len(events)).T
         zero = np.array([self.zero_all[k][events] for k in kids]).reshape(len(kids), len(events)).T
         self.spend(2 * held.size)
@@ -217,8 +256,6 @@ class ChainDp:
         kids = [kids[i] for i in rank]
         held, zero = held[:, rank], zero[:, rank]
         inside = ~(held | zero)
-        if (inside.sum(1) > 1).any():
-            raise TreeDpGaveUp("not a sequential chain: two sibling subtrees are both inside at one event")
         who = np.where(inside.any(1), np.argmax(inside, axis=1), -1)
         # the prefix: the first kid that is not held (a kid both held and zero holds 0 bytes: it fits either way)
         first_not_held = np.where((~held).any(1), np.argmax(~held, axis=1), len(kids))
@@ -226,37 +263,57 @@ class ChainDp:
         pos = np.arange(len(kids))[None, :]
         expect_held = pos < prefix[:, None]
         ok = np.where(expect_held, held, zero) | (pos == who[:, None])
-        if not ok.all():
-            raise TreeDpGaveUp("not a sequential chain: the held siblings at an event are not a prefix")
-        return kids, who, prefix
+        return kids, who, prefix, ~ok.all(1) | (inside.sum(1) > 1)
 
-    def chain(self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float) -> Front3:
+    def chain(
+        self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float,
+        outside: np.ndarray | None, track: np.ndarray,
+    ) -> Front3:
         """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's
         ``I``), whose outside adds ``out = (omin, omax)`` bytes there and costs at least ``rest`` in the
-        Lagrangian (see the module docstring and :meth:`lagrangian`)."""
-        if not kids:
-            return Front3(np.zeros(1), np.zeros(1), np.array([np.max(self.need[events], initial=-math.inf)]),
-                          lambda i: [])
-        kids, who, prefix = self.order(kids, events)
-        fneed = np.full(len(kids) + 1, -math.inf)  # per step: the largest need of the events with no kid inside
-        np.maximum.at(fneed, prefix[who < 0], self.need[events][who < 0])
-        cost, held, req = np.zeros(1), np.zeros(1), np.full(1, -math.inf)
+        Lagrangian and ``outside`` in the integer bound (see the module docstring and :meth:`node`). Events that
+        do not see the kids as a sequential chain, and those in ``track`` (the caller's), are tracked exactly: each
+        state carries the kids' contributions there (``X``), up to :data:`MAX_TRACKED` of them."""
+        kids, who, prefix, odd = self.order(kids, events) if kids else ([], np.full(len(events), -1),
+                                                                         np.zeros(len(events), np.int64),
+                                                                         np.zeros(len(events), bool))
+        T = np.union1d(track, events[odd])  # tracked here: the caller's, then this chain's own odd events
+        if len(T) > MAX_TRACKED:
+            raise TreeDpGaveUp(f"not a sequential chain: {len(T)} events see sibling subtrees overlap "
+                               f"(> {MAX_TRACKED} tracked)")
+        reg = ~np.isin(events, T)
+        fneed = np.full(len(kids) + 1, -math.inf)  # per step: the largest need of the regular events no kid is in
+        free = reg & (who < 0)
+        np.maximum.at(fneed, prefix[free], self.need[events][free])
+        cost, held, req, X = np.zeros(1), np.zeros(1), np.full(1, -math.inf), np.zeros((1, len(T)))
         steps: list[tuple[np.ndarray, np.ndarray, Front3]] = []
         lo, hi = out  # bounds of what the outside and the kids so far add at the next kid's events
         best = np.array([self.lbest[k] for k in kids])
         after = rest + (best.sum() - np.cumsum(best))  # Lagrangian cost of the kids after each one, and outside
-        slopes = self.slopes(kids)
+        modes = self.star_modes(kids)
+        slopes = [None if m is None else self.lam if m else 0.0 for m in modes]
+        after_k = self.after(kids, outside) if any(m is not None for m in modes) else None
         for j, k in enumerate(kids):
             req = np.maximum(req, fneed[j] - held)
-            front = self.node(k, (lo, hi), rest + best.sum() - best[j])
+            inside = np.isin(T, self.internal(k))
+            front = self.node(k, (lo, hi), rest + best.sum() - best[j], self.kid_outside(kids, j, outside), T[inside])
             lo, hi = lo + self.hmin[k], hi + self.hmax[k]
             ia, ib = self.pairs(held, req, front, out[1], (slopes[j], after[j], cost))
-            c2, h2, r2 = cost[ia] + front.cost[ib], held[ia] + front.held[ib], np.maximum(req[ia], front.req[ib] - held[ia])
-            keep = self.reduce(c2, h2, r2, out)
-            cost, held, req = c2[keep], h2[keep], r2[keep]
+            if after_k is not None and modes[j] is not None and len(ia):  # the integer bound at estar
+                ia, ib = self.knap_cut(ia, ib, cost, held if modes[j] else None, front, after_k[j])
+            at = np.zeros((len(front.cost), len(T)))  # the kid's contribution at the tracked events
+            at[:, inside] = front.ex
+            at[:, ~inside & self.held_all[k][T]] = front.held[:, None]
+            c2, h2 = cost[ia] + front.cost[ib], held[ia] + front.held[ib]
+            r2, X2 = np.maximum(req[ia], front.req[ib] - held[ia]), X[ia] + at[ib]
+            keep = self.reduce(c2, h2, r2, out, X2)
+            cost, held, req, X = c2[keep], h2[keep], r2[keep], X2[keep]
             steps.append((ia[keep], ib[keep], front))
         req = np.maximum(req, fneed[-1] - held)
-        last = self.reduce(cost, held, req, out)
+        mine = ~np.isin(T, track)  # this chain's own odd events: the outside adds its uniform offset there
+        req = np.maximum(req, np.max(self.need[T[mine]][None, :] - X[:, mine], axis=1, initial=-math.inf))
+        X = X[:, ~mine]
+        last = self.reduce(cost, held, req, out, X)
 
         def recover(i: int) -> list[tuple[int, int]]:
             out: list[tuple[int, int]] = []
@@ -266,7 +323,7 @@ class ChainDp:
                 i = int(ia[i])
             return out
 
-        return Front3(cost[last], held[last], req[last], recover)
+        return Front3(cost[last], held[last], req[last], X[last], recover)
 
     def pairs(
         self, held: np.ndarray, req: np.ndarray, front: Front3, omax: float, bound: tuple[float | None, float, np.ndarray],
@@ -331,16 +388,74 @@ class ChainDp:
         bound, self.lbest = self.lagrangian(a)
         return bound
 
-    def slopes(self, kids: list[int]) -> list[float | None]:
-        """Per step of the chain ``kids``, what the states' held bytes count at ``estar`` in their bound: ``lam``
-        when every kid so far is held there, 0 when every one is zero there, None (no bound) otherwise."""
-        out: list[float | None] = []
+    def star_modes(self, kids: list[int]) -> list[bool | None]:
+        """Per step of the chain ``kids``, what the states' held bytes are at ``estar``: all of it (True: every
+        kid so far is held there), nothing (False: every one is zero there), unknown (None) otherwise."""
+        out: list[bool | None] = []
         all_held = all_zero = True
         for k in kids:
             all_held &= bool(self.held_all[k][self.estar])
             all_zero &= bool(self.zero_all[k][self.estar])
-            out.append(self.lam if all_held else 0.0 if all_zero else None)
+            out.append(True if all_held else False if all_zero else None)
         return out
+
+    # -- the integer bound at estar (sacplan.solver.event_knapsack) --------------------------------------------
+    def after(self, kids: list[int], outside: np.ndarray | None) -> list[np.ndarray] | None:
+        """Per step of the chain ``kids`` (in chain order), the dense integer bound of the kids after it and
+        the chain's ``outside`` (None: no bound)."""
+        if outside is None or self.knap is None:
+            return None
+        key = (id(outside),) + tuple(kids)
+        if key not in self.suffix:
+            out = [outside]
+            for k in reversed(kids[1:]):
+                out.append(self.knap.add(out[-1], self.knap.sparse(k)))
+            self.suffix[key] = out[::-1]
+        return self.suffix[key]
+
+    def kid_outside(self, kids: list[int], j: int, outside: np.ndarray | None) -> np.ndarray | None:
+        """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside``: the chain's other
+        kids too; only below the root (while the outside is nothing) and for chains of at most
+        :data:`OUTSIDE_KIDS` kids (else None: each costs a sum per kid, and the long chains near the root are
+        where the bound prunes)."""
+        if outside is not self.nothing or self.knap is None or len(kids) > OUTSIDE_KIDS:
+            return None
+        if kids[j] not in self.outside:
+            d = outside
+            for i, k in enumerate(kids):
+                if i != j:
+                    d = self.knap.add(d, self.knap.sparse(k))
+            self.outside[kids[j]] = d
+        return self.outside[kids[j]]
+
+    def knap_bound(self, lagrangian: float) -> float:
+        """Builds the integer bound at estar, on the coarse grid and, where that beats the ``lagrangian`` bound
+        (ms; the blocks' fixed costs matter), on the fine one; returns its value for the whole forest (ms; a
+        lower bound of every plan's cost)."""
+        stars = [(lv[1], self.star(s)) for s, lv in enumerate(self.levels)]
+        for units in (COARSE_UNITS, UNITS):
+            self.knap = EventKnapsack(self.children, stars, float(self.need[self.estar]), self.spend, units)
+            self.nothing = d = self.knap.nothing()
+            for s in self.top:
+                d = self.knap.add(d, self.knap.sparse(s))
+            bound = float(d[self.knap.needed(float(self.need[self.estar]) - self.tol)])
+            if bound <= lagrangian:
+                break
+        return bound
+
+    def knap_cut(
+        self, ia: np.ndarray, ib: np.ndarray, cost: np.ndarray, held: np.ndarray | None, front: Front3,
+        after: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs whose integer bound does not exceed the incumbent: their cost plus ``after`` at the units
+        still needed at estar (``held`` None: the kids hold nothing there)."""
+        if not math.isfinite(self.incumbent):
+            return ia, ib
+        self.spend(4 * len(ia))
+        have = 0.0 if held is None else held[ia] + front.held[ib]
+        left = self.knap.needed(float(self.need[self.estar]) - have - self.tol)
+        ok = cost[ia] + front.cost[ib] + after[left] <= self.incumbent + self.lb_slack
+        return ia[ok], ib[ok]
 
     def solve(self) -> tuple[np.ndarray, np.ndarray, float] | None:
         """(y, r, DP cost ms) of the cheapest plan meeting every binding event within ``tol``; None when none does.
@@ -349,12 +464,14 @@ class ChainDp:
         n = self.P.num_candidates
         if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
             return np.zeros(n), np.zeros(n), 0.0
-        bound = self.multiplier()
+        lagrangian = self.multiplier()
+        bound = max(lagrangian, self.knap_bound(lagrangian))
+        guesses = (FINE_GUESSES if self.knap is not None and self.knap.units == UNITS else ()) + GUESSES
         self.beam = True
         first = self.best()
         self.beam = False
         known = None if first is None else exact_check(self.P, self.budget, *first)
-        for gap in GUESSES:  # exact at every guess: a plan found within it is the optimum (module docstring)
+        for gap in guesses:  # exact at every guess: a plan found within it is the optimum (module docstring)
             guess = bound + gap * (abs(bound) + 1e-9)
             self.incumbent = guess if known is None else min(known, guess)
             self.lb_slack = 1e-9 * (1.0 + abs(self.incumbent)) + self.lam * self.tol
@@ -380,7 +497,7 @@ class ChainDp:
         """One pass of the DP (see :meth:`solve`): the cheapest root point meeting every event, or None."""
         n = self.P.num_candidates
         y, r = np.zeros(n), np.zeros(n)
-        root = self.chain(self.top, np.arange(len(self.need)), (0.0, 0.0), 0.0)
+        root = self.chain(self.top, np.arange(len(self.need)), (0.0, 0.0), 0.0, self.nothing, np.zeros(0, np.int64))
         ok = np.nonzero(root.req <= self.tol)[0]
         if not len(ok):
             return None

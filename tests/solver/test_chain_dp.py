@@ -115,3 +115,49 @@ def test_work_limit_and_give_up_reasons(monkeypatch):
     lines = SacProblem(tree)  # lines mode: no exact options
     why = []
     assert solve_chain_dp(lines, budget, why=why) is None and why == ["not exact mode"]
+
+
+def _interleaved_spec():
+    """A block called twice per step whose two checkpointable children therefore interleave (c0 c1 c0 c1 in the
+    forward): at the events of the second call the held siblings are not a prefix — the overlap of a post-norm
+    decoder's cross-attention and norm1 (nn.Transformer), in miniature."""
+    from sacplan.testing.synthetic import MiB, Spec, ops_from_rows
+
+    def child(name, rows, act_leaf):
+        ops = ops_from_rows(rows)
+        sp = Spec(name, act=sum(o.save_cost_bytes for o in ops), fw_ms=sum(o.runtime_ms for o in ops), ops=ops,
+                  tmp=16 * MiB)
+        sp.children.append(Spec(name + "_leaf", act=act_leaf, fw_ms=0.0, no_tradeoff=True))
+        return sp
+
+    c0 = child("c0", [("aten.mm.default", 64 * MiB, 1.0, 0), ("aten.silu.default", 32 * MiB, 0.2, 0)], 16 * MiB)
+    c1 = child("c1", [("aten.mul.Tensor", 48 * MiB, 0.4, 0), ("aten.mm.default", 96 * MiB, 2.0, 0)], 0)
+    blk = child("blk", [("aten.mul.Tensor", 32 * MiB, 0.3, 0)], 0)
+    blk.repeat, blk.children = 2, [c0, c1]
+    return Spec("m", params=32 * MiB, fw_ms=0.1, children=[blk, child("c2", [("aten.mm.default", 80 * MiB, 1.5, 0)], 0)])
+
+
+@pytest.mark.parametrize("u", [0.0, 0.05, 0.2, 0.3])
+def test_overlapping_siblings_tracked_exactly(u, monkeypatch):
+    """Where sibling subtrees overlap the chain DP tracks those events exactly (it gave up there before): its
+    optimum equals the brute force over every non-nested set of units × options, and some chain did see
+    overlapping siblings."""
+    from oracles import brute_over_options, option_sets, oracle
+
+    tree = build_tree(_interleaved_spec())
+    cands, base, C, X = oracle(tree, None)
+    _, min_peak = brute_over_options(tree, cands, base, C, X, math.inf, [[(1.0, 1.0)] for _ in cands])
+    budget = int(min_peak + u * (float(base.max()) - min_peak))
+    brute, _ = brute_over_options(tree, cands, base, C, X, budget, option_sets(cands))
+    seen = []
+    order = chain_mod.ChainDp.order
+    monkeypatch.setattr(chain_mod.ChainDp, "order", lambda self, k, e: seen.append(order(self, k, e)) or seen[-1])
+    why: list[str] = []
+    res = solve_chain_dp(SacProblem(tree, exact=True), budget, None, why)
+    assert any(odd.any() for *_, odd in seen)
+    assert res is not None, why
+    assert res.cost_ms == pytest.approx(brute, rel=1e-9, abs=1e-9)
+    monkeypatch.setattr(chain_mod, "MAX_TRACKED", 0)  # nothing tracked: it gives up, as it did
+    why = []
+    assert solve_chain_dp(SacProblem(tree, exact=True), budget, None, why) is None
+    assert why[0].startswith("not a sequential chain")
