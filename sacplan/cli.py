@@ -203,8 +203,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan, extra=[_describe(knobs)] + _collective_lines(tree)))
         if cert is not None:
-            print(f"\nbest possible at this budget: {cert.summary(reference_ms=plan.recompute_ms or None)}"
-                  + (" (percentages: of this plan's recompute)" if plan.recompute_ms else ""))
+            print(f"\nbest possible at this budget: {cert.summary(reference_ms=plan.extra_ms or None)}"
+                  + (" (percentages: of this plan's extra step time)" if plan.extra_ms else ""))
         if args.output:
             print(f"\nplan written to {args.output}")
         print("\n" + "\n".join(next_steps(args, plan)))

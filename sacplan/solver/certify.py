@@ -36,12 +36,13 @@ def every_unit(tree: ModuleTree) -> list[str]:
 
 @dataclass(frozen=True)
 class Certificate:
-    """What no plan can beat at one budget (milliseconds of recompute on the tree's device).
+    """What no plan can beat at one budget (ms a plan adds to the step on the tree's device: recomputation plus the
+    selective mode's dispatch, :mod:`sacplan.sacmode`).
 
     Attributes:
         budget_bytes: the budget (bytes).
-        lower_bound_ms: no plan recomputes less (fractional knapsack per module, every unit).
-        best_ms: the least recompute of any plan when ``proven`` (else the best plan found, or None).
+        lower_bound_ms: no plan adds less (fractional knapsack per module, every unit, without the dispatch).
+        best_ms: the least any plan adds (``plan.extra_ms``) when ``proven`` (else the best plan found's, or None).
         proven: ``best_ms`` is proven optimal over every plan (whole fronts, optimal status).
         status: the solver's status for the whole-front MILP ("optimal", "time_limit", or "not run: …").
         units: how many modules were allowed as checkpoint units.
@@ -123,4 +124,4 @@ def _certify(tree: ModuleTree, budget: int | float | str, units: list[str] | Non
     if plan.status == "not needed":  # the budget fits without checkpointing
         return Certificate(budget_bytes, 0.0, 0.0, True, "optimal", len(units))
     proven = plan.status == "optimal" and bool(plan.meta.get("options_complete")) and math.isfinite(plan.objective_ms)
-    return Certificate(budget_bytes, lb, float(plan.recompute_ms), proven, plan.status, len(units))
+    return Certificate(budget_bytes, lb, float(plan.extra_ms), proven, plan.status, len(units))
