@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sacplan.collector.calling import as_inputs, as_loss, call_model
 from sacplan.collector.runtime import flop_mapping
-from sacplan.evaluate import Choice, module_outcome, predict
+from sacplan.evaluate import Choice, predict
 from sacplan.opgroups import forced_saves, named_saves
 from sacplan.opnames import ATTENTION, op_keys
 from sacplan.plan import ModuleDecision, Plan
@@ -88,9 +88,10 @@ def plan_from_choices(tree: ModuleTree, choices: Mapping[str, Choice], label: st
     pred = predict(tree, choices)
     st = tree.stats
     decisions = []
+    outcomes = {o.fqn: o for o in pred.modules}  # what predict evaluated for each module
     for fqn, choice in sorted(choices.items(), key=lambda kv: tree.index_of(kv[0])):
         ms = tree.node(fqn).stats
-        out = module_outcome(ms, choice, st.device)
+        out = outcomes[fqn]
         A = ms.tradeoff.max_discard_bytes if ms.tradeoff is not None else 0
         d0 = out.discard_bytes[0] if out.discard_bytes else 0
         if choice is None:

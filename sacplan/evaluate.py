@@ -95,7 +95,6 @@ def module_outcome(stats: ModuleStats, choice: Choice, device: DeviceSpec | None
     kept = sum(ops[i].save_cost_bytes for i in saved_pos)
     ms = sum(o.runtime_ms for o in ops if o.index < stop and o.index not in saved_pos)
     flops = sum(o.flops for o in ops if o.index < stop and o.index not in saved_pos)
-    selective = bool(choice) or full_runs_selective(stats)
     discards = []
     for c in range(stats.calls):
         a_c = raw[c]
@@ -107,8 +106,16 @@ def module_outcome(stats: ModuleStats, choice: Choice, device: DeviceSpec | None
         recompute_flops=flops * stats.calls,
         saved_keys=frozenset(keys[i] for i in saved_pos),
         surge_bytes=recompute_surge(ops, saved_pos, stop),
-        dispatch_ms=stats.calls * dispatch_ms(stats, device) if device is not None and selective else 0.0,
+        dispatch_ms=_dispatch(stats, choice, device),
     )
+
+
+def _dispatch(stats: ModuleStats, choice: Choice, device: DeviceSpec | None) -> float:
+    """Host ms over all calls the selective mode adds to the region (0 without a device, or where apply runs it
+    plain: a full checkpoint that names no saves and holds no buffers)."""
+    if device is None or not (choice or full_runs_selective(stats)):
+        return 0.0
+    return stats.calls * dispatch_ms(stats, device)
 
 
 def _raw_kept(stats: ModuleStats) -> list[int]:
