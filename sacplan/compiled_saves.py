@@ -29,6 +29,7 @@ import dataclasses
 from typing import Iterable
 
 from sacplan.compiled_layout import WEIGHT_COPY_OP
+from sacplan.fqns import inside
 from sacplan.stats import ModelStats, ModuleStats, OpStat
 
 __all__ = ["BUFFER_WRITING_NORMS", "COMPILED_EXTRA_SAVES", "with_compiled_saves"]
@@ -41,7 +42,7 @@ BUFFER_WRITING_NORMS = frozenset({"aten.native_batch_norm.default", "aten._nativ
 
 
 def _inside(fqn: str, regions: Iterable[str]) -> bool:
-    return any(r == "" or fqn == r or fqn.startswith(r + ".") for r in regions)
+    return any(inside(fqn, r) for r in regions)
 
 
 def _always_saved(ops: tuple[OpStat, ...], layout_replayed: bool) -> set[int]:

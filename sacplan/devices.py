@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -204,9 +205,14 @@ def checkpoint_state_bytes(spec: DeviceSpec, draws_random: bool = True) -> int:
     """
     if spec.name != "CPU" or not draws_random:
         return 0
-    import torch
+    return _cpu_rng_state_bytes()
 
-    return int(torch.get_rng_state().numel() * torch.get_rng_state().element_size())
+
+@functools.cache
+def _cpu_rng_state_bytes() -> int:
+    """Bytes of ``torch.get_rng_state()`` (the CPU generator's state: fixed for a torch build, read once)."""
+    state = torch.get_rng_state()
+    return int(state.numel() * state.element_size())
 
 
 # -- the device table ------------------------------------------------------------------------------

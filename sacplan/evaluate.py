@@ -19,9 +19,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from sacplan.devices import DeviceSpec, checkpoint_state_bytes
-from sacplan.opgroups import op_groups
+from sacplan.opgroups import forced_saves, named_saves, op_groups
 from sacplan.opnames import op_keys
-from sacplan.sacmode import dispatch_ms, full_runs_selective
+from sacplan.sacmode import region_dispatch_ms
 from sacplan.stats import ModuleStats, OpStat
 from sacplan.timeline import RC, Timeline
 from sacplan.tradeoff import greedy_vertices, recompute_surge
@@ -111,11 +111,14 @@ def module_outcome(stats: ModuleStats, choice: Choice, device: DeviceSpec | None
 
 
 def _dispatch(stats: ModuleStats, choice: Choice, device: DeviceSpec | None) -> float:
-    """Host ms over all calls the selective mode adds to the region (0 without a device, or where apply runs it
-    plain: a full checkpoint that names no saves and holds no buffers)."""
-    if device is None or not (choice or full_runs_selective(stats)):
+    """Host ms over all calls the selective mode adds to the region (0 without a device): for the ops the plan of
+    ``choice`` saves (:func:`~sacplan.opgroups.named_saves`, or :func:`~sacplan.opgroups.forced_saves` for a full
+    checkpoint), as :func:`sacplan.alternatives.plan_from_choices` writes them."""
+    if device is None:
         return 0.0
-    return stats.calls * dispatch_ms(stats, device)
+    stop = stats.recompute_stop
+    saves = forced_saves(stats.ops, stop) if choice is None else named_saves(stats.ops, stop, choice)
+    return stats.calls * region_dispatch_ms(stats, device, saves)
 
 
 def _raw_kept(stats: ModuleStats) -> list[int]:
@@ -163,11 +166,11 @@ def event_peaks(
     """
     tl = Timeline.of(tree.stats, world_size) if timeline is None else timeline
     surges = surges or {}
+    rng_state = {fqn: rng_copy_bytes(tree, fqn) for fqn in discards}  # the stash per call, and its copy at rc
 
     def kept(fqn: str, call: int) -> int:
-        st = tree.node(fqn).stats
-        held = st.held_input_bytes
-        return checkpoint_state_bytes(tree.stats.device, st.draws_random) + (held[call] if call < len(held) else 0)
+        held = tree.node(fqn).stats.held_input_bytes
+        return rng_state[fqn] + (held[call] if call < len(held) else 0)
 
     def freed(entries: Sequence[tuple[str, int]]) -> np.ndarray:
         out = np.zeros(len(entries))
@@ -181,7 +184,7 @@ def event_peaks(
     added = tl.held(bw_kept)
     for i, (ph, fqn) in enumerate(zip(tl.phase, tl.module)):
         if ph == RC and fqn in discards:
-            added[i] += tl.extra[i] + surges.get(fqn, 0) + rng_copy_bytes(tree, fqn)
+            added[i] += tl.extra[i] + surges.get(fqn, 0) + rng_state[fqn]
     return [int(math.ceil(m - 1e-6)) for m in tl.peaks(freed(tl.fw_entries), freed(tl.bw_entries), added)]
 
 

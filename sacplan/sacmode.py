@@ -21,12 +21,24 @@ from sacplan.opgroups import forced_saves, stop_index
 from sacplan.stats import ModuleStats
 
 
+def runs_selective(stats: ModuleStats, saved_ops: object) -> bool:
+    """``apply`` runs the module's region under the selective mode: its decision names saved ops (``saved_ops``:
+    a decision's ``(index, name, occurrence)`` entries, or None), or the module's subtree holds buffers (BatchNorm
+    statistics, which the policy protects from a second update); otherwise plain ``torch.utils.checkpoint``."""
+    return bool(saved_ops) or stats.buffer_bytes > 0
+
+
 def full_runs_selective(stats: ModuleStats) -> bool:
-    """A full checkpoint of the module still runs under the selective mode: it must name saved ops (ops reading an
-    outside storage that the forward overwrites later, :func:`~sacplan.opgroups.forced_saves`) or the module's
-    subtree holds buffers (BatchNorm statistics, which the policy protects from a second update)."""
-    stop = stop_index(stats.ops, stats.recompute_stop or None)
-    return bool(forced_saves(stats.ops, stop)) or stats.buffer_bytes > 0
+    """A full checkpoint of the module still runs under the selective mode: it must name the ops every save list
+    keeps (ops reading an outside storage that the forward overwrites later,
+    :func:`~sacplan.opgroups.forced_saves`, what its decision saves), or it holds buffers."""
+    return runs_selective(stats, forced_saves(stats.ops, stats.recompute_stop))
+
+
+def region_dispatch_ms(stats: ModuleStats, device: DeviceSpec, saved_ops: object) -> float:
+    """Host ms the selective mode adds to one call of a region that saves ``saved_ops``: :func:`dispatch_ms`
+    where :func:`runs_selective`, else 0."""
+    return dispatch_ms(stats, device) if runs_selective(stats, saved_ops) else 0.0
 
 
 def dispatch_ms(stats: ModuleStats, device: DeviceSpec) -> float:

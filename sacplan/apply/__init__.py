@@ -177,8 +177,6 @@ class _PlannedForward:
                 _compiled_context, tuple(sorted(self.saved)), self.save_random, self.mutation, self.fused_dropout
             )
             return checkpoint(bound, *args, use_reentrant=False, context_fn=ctx, **kwargs)
-        outside = outside_ptrs(module, args, kwargs)
-        saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
         rng, fqn = getattr(self, "preserve_rng_state", True), getattr(self, "fqn", "")  # pickled before the field
         # Hand checkpoint each distinct tensor once and rebuild the arguments from them: with saved-tensor
         # hooks active (offloading, a memory tracker) recomputation gets a new tensor object per saved input,
@@ -202,17 +200,20 @@ class _PlannedForward:
             with _frozen_running_stats(module):
                 return bound(*a, **k)
 
+        # A region that draws no random numbers needs no RNG state: no stash at the forward, no fork_rng copy while
+        # recomputing (sacplan.devices.checkpoint_state_bytes); the policy refuses a random op there, so such a
+        # region's first call runs the policy even when it is full (see ``self.full``).
+        if getattr(self, "full", False) and (rng or getattr(self, "checked", False)) and next(module.buffers(), None) is None:
+            return checkpoint(run, *unique, use_reentrant=False, preserve_rng_state=rng)
+        outside = outside_ptrs(module, args, kwargs)  # only the selective policy reads them
+        saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
+
         def context_fn() -> Any:
             return create_selective_checkpoint_contexts(
                 make_policy(saved, save_random, outside, fused_dropout=fused_dropout, no_rng_state=not rng, region=fqn),
                 allow_cache_entry_mutation=mutation or bool(outside),
             )
 
-        # A region that draws no random numbers needs no RNG state: no stash at the forward, no fork_rng copy while
-        # recomputing (sacplan.devices.checkpoint_state_bytes); the policy refuses a random op there, so such a
-        # region's first call runs the policy even when it is full (see ``self.full``).
-        if getattr(self, "full", False) and (rng or getattr(self, "checked", False)) and next(module.buffers(), None) is None:
-            return checkpoint(run, *unique, use_reentrant=False, preserve_rng_state=rng)
         out = checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn, preserve_rng_state=rng)
         self.checked = True
         return out

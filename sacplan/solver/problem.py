@@ -172,11 +172,11 @@ class SacProblem:
         t = st.tradeoff
         out: ModuleOptions | None = None
         if st.ops and t is not None and t.full_recompute_ms > 0:
-            # a save list runs under the selective mode, whose dispatch the step pays (sacplan.sacmode)
-            sel_frac, full_sel = dispatch_ms(st, self.tree.stats.device) / c.recompute_ms, full_runs_selective(st)
-            key = ("opts", c.max_discard_bytes, c.recompute_ms, st.ops, st.recompute_stop, sel_frac, full_sel)
+            key = ("opts", c.max_discard_bytes, c.recompute_ms, st.ops, st.recompute_stop, st.buffer_bytes > 0)
             out = self._options.get(key)  # type: ignore[call-overload]
             if out is None:
+                # a save list runs under the selective mode, whose dispatch the step pays (sacplan.sacmode)
+                sel_frac, full_sel = dispatch_ms(st, self.tree.stats.device) / c.recompute_ms, full_runs_selective(st)
                 out = module_options(
                     st.ops,
                     c.max_discard_bytes,

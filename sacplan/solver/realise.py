@@ -8,7 +8,6 @@ or ratio-only checkpoint — and the realised ratios, whose exact peaks the plan
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -16,7 +15,7 @@ import numpy as np
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.opgroups import forced_saves
 from sacplan.plan import ModuleDecision
-from sacplan.sacmode import dispatch_ms, full_runs_selective
+from sacplan.sacmode import region_dispatch_ms
 from sacplan.solver.backends import lp_solver
 from sacplan.solver.candidates import Candidate
 from sacplan.solver.knapsack import OpSelection
@@ -81,24 +80,25 @@ def _decision(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOptio
     assert t is not None
     A = c.max_discard_bytes
     sel, ratio = _selection(problem, c, ratio, opts)
-    full = sel is None and ratio >= 1.0 - 1e-12
-    # the selective mode's dispatch, as the exact options charge it (ratio-only decisions run selective too)
-    dispatch = c.calls * dispatch_ms(st, problem.tree.stats.device) if not full or full_runs_selective(st) else 0.0
-    decision = functools.partial(ModuleDecision, fqn=c.fqn, calls=c.calls, preserve_rng_state=st.draws_random,
-                                 dispatch_ms=dispatch)
-    if full:
-        return decision(discard_ratio=1.0, discard_bytes=A, recompute_ms=c.calls * c.recompute_ms,
-                        recompute_flops=c.calls * int(t.full_recompute_flops),
-                        saved_ops=forced_saves(st.ops, st.recompute_stop))
+
+    def decision(saved_ops: tuple[tuple[int, str, int], ...] | None, **figures: float) -> ModuleDecision:
+        # the selective mode's dispatch where apply runs the region under it (saved ops or buffers)
+        dispatch = c.calls * region_dispatch_ms(st, problem.tree.stats.device, saved_ops)
+        return ModuleDecision(fqn=c.fqn, calls=c.calls, preserve_rng_state=st.draws_random, saved_ops=saved_ops,
+                              dispatch_ms=dispatch, **figures)
+
+    if sel is None and ratio >= 1.0 - 1e-12:
+        return decision(forced_saves(st.ops, st.recompute_stop), discard_ratio=1.0, discard_bytes=A,
+                        recompute_ms=c.calls * c.recompute_ms, recompute_flops=c.calls * int(t.full_recompute_flops))
     if sel is not None:
         discard = A - sel.saved_bytes  # >= A·ratio by the byte budget of the selection
         by_index = {op.index: op for op in st.ops}
-        return decision(discard_ratio=discard / A, discard_bytes=discard, recompute_ms=c.calls * sel.recompute_ms,
-                        recompute_flops=c.calls * sel.recompute_flops,
-                        saved_ops=tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved))
+        return decision(tuple((i, by_index[i].name, by_index[i].occurrence) for i in sel.saved),
+                        discard_ratio=discard / A, discard_bytes=discard, recompute_ms=c.calls * sel.recompute_ms,
+                        recompute_flops=c.calls * sel.recompute_flops)
     # ratio-only decision: whole bytes, rounded up
     discard = int(math.ceil(ratio * A))
     r_real = max(ratio, min(1.0, discard / A))
-    return decision(discard_ratio=float(r_real), discard_bytes=discard, recompute_ms=c.cost(float(r_real)),
-                    recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real)))),
-                    saved_ops=forced_saves(st.ops, st.recompute_stop))
+    return decision(forced_saves(st.ops, st.recompute_stop), discard_ratio=float(r_real), discard_bytes=discard,
+                    recompute_ms=c.cost(float(r_real)),
+                    recompute_flops=int(round(c.calls * t.full_recompute_flops * c.fraction(float(r_real)))))
