@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from sacplan.solver import tree_dp
+
 #: grid points up to ``need[e*]`` (the grid step ``w`` is ``need[e*] / units`` bytes): the fine grid, and the
 #: coarse one tried first (16 times cheaper: the fine one only where it beats the Lagrangian bound)
 UNITS = 65536
@@ -142,9 +144,7 @@ class EventKnapsack:
 
 
 def pareto(u: np.ndarray, c: np.ndarray) -> Sparse:
-    """The points ``(u, c)`` no other beats (``u' >= u`` and ``c' <= c``): bytes ascending, cost ascending."""
-    order = np.lexsort((c, -u))  # bytes descending, then cheapest first
-    u, c = u[order], c[order]
-    keep = np.ones(len(c), dtype=bool)
-    keep[1:] = c[1:] < np.minimum.accumulate(c)[:-1]
-    return u[keep][::-1], c[keep][::-1]
+    """The points ``(u, c)`` no other beats (``u' >= u`` and ``c' <= c``): bytes ascending, cost ascending
+    (:func:`sacplan.solver.tree_dp.pareto` with the bytes as its one coordinate)."""
+    keep = tree_dp.pareto(c, u[:, None])
+    return u[keep], c[keep]
