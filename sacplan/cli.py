@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sacplan.cli_models import FACTORY_CONTRACT, ModelSpec, is_file_model, load_model_spec
-from sacplan.cli_mesh import add_mesh_args, check_mesh_args, collect_on_mesh, mesh_requested, mp_policy_of
+from sacplan.cli_mesh import add_mesh_args, check_mesh_args, collect_on_mesh, mesh_requested, shard_for_world_size
 from sacplan.cli_models import UsageError as _UsageError
 from sacplan.cli_device import devices_table, target_device
 from sacplan.errors import ConfigError, InfeasibleBudgetError, PlanMismatchError, SacplanError
@@ -133,16 +133,7 @@ def _collect_tree(args: argparse.Namespace, spec: ModelSpec, device: Any, knobs:
     if mesh_requested(args):
         return ModuleTree(collect_on_mesh(args, spec, device, knobs, _progress(args)))
     stats = spec.collect(device, dtype=knobs["dtype"], batch=knobs["batch"], seq=knobs["seq"], progress=_progress(args))
-    ws = getattr(args, "world_size", None)
-    if ws is not None and ws > 1:
-        from sacplan.distributed import shard_stats
-
-        units: Any = "each block"
-        if getattr(args, "fsdp_units", None):
-            units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()]
-        stats = shard_stats(stats, ws, fsdp_units=units, mode="ddp" if getattr(args, "ddp", False) else "fsdp",
-                            mp_policy=mp_policy_of(args))
-    return ModuleTree(stats)
+    return ModuleTree(shard_for_world_size(stats, args))
 
 
 def _collective_lines(tree: Any) -> list[str]:

@@ -78,6 +78,21 @@ def mp_policy_of(args: argparse.Namespace) -> Any:
     return MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=torch.float32)
 
 
+def shard_for_world_size(stats: Any, args: argparse.Namespace) -> Any:
+    """``stats`` per data-parallel rank for ``--world-size`` (FSDP2 over ``--fsdp-units``, default each block, or
+    ``--ddp``; ``--mixed-precision``'s policy), :func:`sacplan.distributed.shard_stats`; as they are without it."""
+    ws = getattr(args, "world_size", None)
+    if ws is None or ws <= 1:
+        return stats
+    from sacplan.distributed import shard_stats
+
+    units: Any = "each block"
+    if getattr(args, "fsdp_units", None):
+        units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()]
+    return shard_stats(stats, ws, fsdp_units=units, mode="ddp" if getattr(args, "ddp", False) else "fsdp",
+                       mp_policy=mp_policy_of(args))
+
+
 def collect_on_mesh(args: argparse.Namespace, spec: Any, device: Any, knobs: dict[str, Any], progress: Any) -> Any:
     """Per-rank stats of the preset on a ``{"dp_shard": D, "tp": T}`` fake mesh (rank 0: the largest shards)."""
     from sacplan.collector import parse_dtype

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from sacplan.cli_mesh import layout_views_ok, mesh_requested, mp_policy_of
+from sacplan.cli_mesh import layout_views_ok, mesh_requested, mp_policy_of, shard_for_world_size
 from sacplan.errors import ConfigError
 
 __all__ = ["add_pipeline_args", "per_rank_stats", "plan_pipeline", "stage_mesh"]
@@ -34,17 +34,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 
 def per_rank_stats(stats: list[Any], args: argparse.Namespace) -> list[Any]:
     """Each pipeline rank's stats composed with the other parallel dimensions of ``args`` (``--world-size``: FSDP2
-    or DDP over that many data-parallel ranks, :func:`sacplan.distributed.shard_stats`)."""
-    ws = getattr(args, "world_size", None)
-    if ws is None or ws <= 1:
-        return stats
-    from sacplan.distributed import shard_stats
-
-    units: Any = "each block"
-    if getattr(args, "fsdp_units", None):
-        units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()]
-    mode = "ddp" if getattr(args, "ddp", False) else "fsdp"
-    return [shard_stats(s, ws, fsdp_units=units, mode=mode) for s in stats]
+    or DDP over that many data-parallel ranks, with ``--mixed-precision``'s policy as for one stage,
+    :func:`sacplan.cli_mesh.shard_for_world_size`)."""
+    return [shard_for_world_size(s, args) for s in stats]
 
 
 def stage_mesh(args: argparse.Namespace) -> dict[str, Any]:

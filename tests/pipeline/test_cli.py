@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import sacplan
 from sacplan.cli import main
@@ -75,3 +76,24 @@ def test_pp_with_impossible_mesh_layouts_are_one_line_errors(argv, msg, capsys):
     rc = main(["plan", "llama-tiny", "--seq", "32", "-q"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_pipeline_ranks_under_world_size_keep_the_mixed_precision_policy():
+    """--pp with --world-size and --mixed-precision: each stage is sharded as the one-stage path shards it, with
+    FSDP2's policy (the pipeline path used to drop it: master weights planned as bf16)."""
+    import argparse
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from sacplan.distributed import shard_stats
+    from sacplan.models import get_model
+    from sacplan.pipeline.cli import per_rank_stats
+
+    p = get_model("llama-tiny")
+    stats = sacplan.collect(p.build, p.example_inputs(2, 32), device="cpu", loss_fn=p.loss_fn, dtype=torch.bfloat16)
+    args = argparse.Namespace(world_size=2, mixed_precision="bf16", fsdp_units=None, ddp=False)
+    (mixed,) = per_rank_stats([stats], args)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    want = shard_stats(stats, 2, fsdp_units="each block", mode="fsdp", mp_policy=policy)
+    plain = shard_stats(stats, 2, fsdp_units="each block", mode="fsdp")
+    assert mixed.peak_bytes == want.peak_bytes != plain.peak_bytes
