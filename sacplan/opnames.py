@@ -8,6 +8,7 @@ overload name (``"aten.mm.default"``), except that every attention kernel is the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -41,9 +42,15 @@ def resolve_op(name: str) -> Any:
         return None
 
 
+@functools.cache
+def is_attention_op(func: Any) -> bool:
+    """:func:`is_attention` of an op overload, worked out once per overload (collection asks it for every op)."""
+    return is_attention(str(func))
+
+
 def is_random_op(func: Any) -> bool:
     """Random in the SAC sense: draws numbers from the RNG (attention kernels only with dropout, handled apart)."""
-    if is_attention(str(func)):
+    if is_attention_op(func):
         return False
     return torch.Tag.nondeterministic_seeded in func.tags
 
@@ -61,7 +68,7 @@ def attention_dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
 
 def draws_random_numbers(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether this call of ``func`` draws from the RNG: a random op, or an attention kernel called with dropout."""
-    if is_attention(str(func)):
+    if is_attention_op(func):
         return attention_dropout_p(func, args, kwargs) > 0
     return is_random_op(func)
 

@@ -32,7 +32,7 @@ from sacplan.collector.runtime import RuntimeModel, op_flops
 from sacplan.collector.storage import storages_of
 from sacplan.collector.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
-from sacplan.opnames import attention_dropout_p
+from sacplan.opnames import draws_random_numbers, is_attention_op
 
 try:  # torch >= 2.4
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
@@ -197,10 +197,11 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         """Whether the next forward op draws random numbers, and for an in-place op the index of the op that made
         the storage it writes; records it as the maker of its new storages."""
         g = len(self.ops)
-        is_random = torch.Tag.nondeterministic_seeded in func.tags
-        if func._overloadpacket in _ATTENTION_PACKETS:
-            # SDPA kernels carry the seeded tag; they are random only when called with dropout.
-            is_random = self.next_sdpa_random or attention_dropout_p(func, args, kwargs) > 0
+        # the rule apply's policy keeps (sacplan.opnames): attention kernels carry the seeded tag but draw only
+        # with dropout (or when the routed SDPA call above them did)
+        is_random = draws_random_numbers(func, args, kwargs)
+        if is_attention_op(func):
+            is_random = is_random or self.next_sdpa_random
             self.next_sdpa_random = False
         parent = None
         if is_inplace:
@@ -280,12 +281,3 @@ def accumulation_input(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.
         return st
     except (RuntimeError, NotImplementedError):
         return None
-
-
-_ATTENTION_PACKETS = {
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-}
-
