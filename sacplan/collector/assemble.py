@@ -30,7 +30,7 @@ def _snap(cats: tuple[int, ...]) -> MemSnapshot:
 def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...]]) -> tuple[tuple[OpStat, ...], int]:
     """The :class:`OpStat` s of one call (``ties``: per op, see :meth:`StorageWrites.ties`) and its recompute stop."""
     ops = recorder.ops[rec.op_start : rec.op_end]
-    packed = recorder.packed_sids
+    packed = recorder.packed_at  # storage keys of the tensors autograd saved
     out_sids = set(rec.out_sids)
     peak = sum(rec.peak_fw)
     seen: dict[str, int] = {}
@@ -51,7 +51,7 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...
         else:
             cost = o.new_bytes
         mine = [s for s, b in zip(o.out_sids, o.out_new) if s in out_sids and b > 0]  # output storages it makes
-        outside = bool(mine) and all(s in packed and not _packed_inside(recorder, s, rec) for s in mine)
+        outside = bool(mine) and all(s in packed and not recorder.packed_by(rec, s) for s in mine)
         result.append(
             OpStat(
                 index=k, name=name, occurrence=occ, out_bytes=o.new_bytes, runtime_ms=o.ms, flops=o.flops,
@@ -63,11 +63,6 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...
         )
     stop = max(0, rec.last_pack - rec.op_start) if rec.last_pack >= 0 else 0
     return tuple(result), min(stop, len(result))
-
-
-def _packed_inside(recorder: StepRecorder, sid: int, rec: CallRecord) -> bool:
-    """Whether an op of call ``rec`` saved storage ``sid`` for its backward (a pack while its ops ran)."""
-    return any(rec.op_start < n <= rec.op_end for n in recorder.packed_at.get(sid, ()))
 
 
 def _call_ties(recs: list[CallRecord], recorder: StepRecorder, writes: StorageWrites) -> list[list[tuple[int, ...]]]:

@@ -225,12 +225,10 @@ class ModuleCallHooks(StorageAccounting):
         """
         if not self.recording or torch._C._current_graph_task_id() == -1:
             return
-        for rec in self.rc_pending:
-            if rec.op_start < ops_before <= rec.op_end:
-                rec.unpacked = True  # an op of the call saved it (the innermost call open then, or one enclosing it)
-        ready = [r for r in self.rc_pending if r.unpacked]
+        # an op of the call saved it (the innermost call open then, or one enclosing it)
+        ready = [r for r in self.rc_pending if r.ran_op(ops_before)]
         if ready:
-            self.rc_pending = [r for r in self.rc_pending if not r.unpacked]
+            self.rc_pending = [r for r in self.rc_pending if not r.ran_op(ops_before)]
             for r in ready:
                 self._begin_recompute(r)
 
@@ -251,7 +249,7 @@ class ModuleCallHooks(StorageAccounting):
         ran = self.ops[rec.op_start : rec.last_pack] if rec.last_pack > rec.op_start else []
         rec.rc_top = max((o.live for o in ran), default=0)
         extra = max(0, rec.rc_top - (sum(rec.post_fw) - rec.out_new_bytes)) if ran else 0
-        rec.rc_out_saved = tuple((k, b) for k, b in rec.out_new if k in self.live_keys and self._packed_by(rec, k))
+        rec.rc_out_saved = tuple((k, b) for k, b in rec.out_new if k in self.live_keys and self.packed_by(rec, k))
         rec.rc_segment = len(self.segments)
         self.segments.append(
             Segment(Phase.RC, rec.fqn, rec.call, len(self.fw_post_order), len(self.bw_pre_order), self.total, tuple(self.live),
@@ -300,9 +298,9 @@ class ModuleCallHooks(StorageAccounting):
         else:
             self._pending_bw_post.append(done)
 
-    def _packed_by(self, rec: CallRecord, key: int) -> bool:
+    def packed_by(self, rec: CallRecord, key: int) -> bool:
         """Whether an op of call ``rec`` saved storage ``key`` for its backward (a forward pack while its ops ran)."""
-        return any(rec.op_start < n <= rec.op_end for n in self.packed_at.get(key, ()))
+        return any(rec.ran_op(n) for n in self.packed_at.get(key, ()))
 
     def _settle_rc_output(self, rec: CallRecord) -> None:
         """Correct the transient of ``rec``'s rc segment once its backward has ended.

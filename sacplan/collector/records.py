@@ -74,8 +74,6 @@ class CallRecord:
     rc_top: int = 0
     #: ``out_new`` entries alive at the call's backward start that an op of the call saved for its backward
     rc_out_saved: tuple[tuple[int, int], ...] = ()
-    #: autograd has read back (unpacked) a tensor an op of the call saved, in the call's backward
-    unpacked: bool = False
     #: global index of the last forward op that made a new output storage (-1: none)
     out_op: int = -1
     input_bytes: int = 0
@@ -94,6 +92,11 @@ class CallRecord:
     bw_post_fn: Any = None  # the live backward-post callback (a later one supersedes it)
     #: parameters whose accumulated gradients end this call's backward (no input of it needs a gradient)
     end_params: tuple = ()
+
+    def ran_op(self, n: int) -> bool:
+        """Whether the recorder's op count ``n`` (taken as an op of the forward ran, e.g. at a pack) falls inside
+        this call's forward: an op of it, or of a call it encloses."""
+        return self.op_start < n <= self.op_end
 
 
 @dataclass(frozen=True, eq=False)

@@ -93,7 +93,6 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         self.failed_op: tuple[Any, BaseException] | None = None
         # forward ops
         self.ops: list[OpRecord] = []
-        self.packed_sids: set[int] = set()  # storage keys of the tensors autograd saved
         #: per storage key, ``len(self.ops)`` at each forward pack of it (the op that saved it is the one before)
         self.packed_at: dict[int, list[int]] = {}
         # totals
@@ -219,7 +218,6 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
                 key = None
             n = len(self.ops)
             if key is not None:
-                self.packed_sids.add(key)
                 self.packed_at.setdefault(key, []).append(n)
             for rec in self.fw_stack:
                 rec.last_pack = n
