@@ -55,15 +55,21 @@ def is_random_op(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
 
+def op_argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
+    """The argument ``name`` of an op call, passed by keyword or by position (``default`` when its schema has none
+    or the call leaves it out)."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else default
+    return default
+
+
 def attention_dropout_p(func: Any, args: tuple, kwargs: dict) -> float:
     """The ``dropout_p`` argument of an op call (0.0 when its schema has none): an attention kernel draws random
     numbers exactly when it is above 0."""
-    if "dropout_p" in kwargs:
-        return float(kwargs["dropout_p"])
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p" and i < len(args):
-            return float(args[i])
-    return 0.0
+    return float(op_argument(func, args, kwargs, "dropout_p", 0.0))
 
 
 def draws_random_numbers(func: Any, args: tuple, kwargs: dict) -> bool:

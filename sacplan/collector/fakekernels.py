@@ -60,6 +60,8 @@ from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
+from sacplan.opnames import op_argument
+
 aten = torch.ops.aten
 
 #: What a tensor without a real value was computed from (the text errors give).
@@ -205,28 +207,33 @@ def batch_norm_backward(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     return _first_laid_out_as(out, dict(zip(names, args), **kwargs)["input"])
 
 
-#: Position of ``reduction`` in the schemas of the losses whose reduced result keeps the unreduced storage.
-_LOSS_REDUCTION_ARG = {
-    aten.mse_loss.default: 2,
-    aten.smooth_l1_loss.default: 2,
-    aten.soft_margin_loss.default: 2,
-    aten.binary_cross_entropy.default: 3,
-}
+#: Losses whose reduced result keeps the unreduced storage.
+UNREDUCED_STORAGE_LOSSES = frozenset({
+    aten.mse_loss.default, aten.smooth_l1_loss.default, aten.soft_margin_loss.default, aten.binary_cross_entropy.default,
+})
+
+
+def loss_reduced(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A loss op call reduces (its ``reduction`` is mean or sum, the default mean), by keyword or by position."""
+    return op_argument(func, args, kwargs, "reduction", 1) != 0
+
+
+def unreduced_loss_shape(func: Any, x: torch.Tensor, target: torch.Tensor) -> torch.Size:
+    """The shape a loss computes before it reduces: the input's for BCE and soft margin (computed into
+    ``empty_like(input)`` / an output resized to the input's sizes), else input and target broadcast (the
+    structured meta's binary TensorIterator)."""
+    if func is aten.binary_cross_entropy.default or func is aten.soft_margin_loss.default:
+        return x.shape
+    return torch.broadcast_shapes(x.shape, target.shape)
 
 
 def unreduced_loss_storage(mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-    """A reduced loss of :data:`_LOSS_REDUCTION_ARG`: the 0-d result on a storage of the unreduced loss's size."""
-    pos = _LOSS_REDUCTION_ARG[func]
-    reduction = args[pos] if len(args) > pos else kwargs.get("reduction", 1)
+    """A reduced loss of :data:`UNREDUCED_STORAGE_LOSSES`: the 0-d result on a storage of the unreduced loss's size."""
     out = func(*args, **kwargs)
-    if reduction == 0 or not isinstance(out, torch.Tensor) or out.dim() != 0:
+    if not loss_reduced(func, args, kwargs) or not isinstance(out, torch.Tensor) or out.dim() != 0:
         return out  # reduction="none": an ordinary elementwise output
     x, target = args[0], args[1] if len(args) > 1 else kwargs["target"]
-    if func is aten.binary_cross_entropy.default or func is aten.soft_margin_loss.default:
-        shape = x.shape  # computed into empty_like(input) / an output resized to the input's sizes
-    else:
-        shape = torch.broadcast_shapes(x.shape, target.shape)  # the structured meta's binary TensorIterator
-    held = torch.empty(shape, dtype=out.dtype, device=out.device)
+    held = torch.empty(unreduced_loss_shape(func, x, target), dtype=out.dtype, device=out.device)
     held.resize_(())  # as the kernels do: the storage keeps its bytes
     return held
 
@@ -237,7 +244,7 @@ LAYOUT_KERNELS: dict[Any, FakeKernel] = {
     aten.native_batch_norm.default: batch_norm_output,
     aten.native_batch_norm_backward.default: batch_norm_backward,
     aten.cudnn_batch_norm_backward.default: batch_norm_backward,
-    **{op: unreduced_loss_storage for op in _LOSS_REDUCTION_ARG},
+    **{op: unreduced_loss_storage for op in UNREDUCED_STORAGE_LOSSES},
 }
 
 #: The ops above and their kernels.

@@ -40,6 +40,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from sacplan.collector.fakekernels import loss_reduced, unreduced_loss_shape
 from sacplan.collector.reductions import REDUCTION_OPS, reduction_staging_bytes
 from sacplan.devices import DeviceSpec
 
@@ -69,19 +70,14 @@ _MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.de
 #: and reduce it into the result; huber (reduced) into ``empty_like(input)``; BCE with logits keeps
 #: ``log_sigmoid(input)`` and ``(1 - target)`` (the output when unreduced; ``pos_weight``'s ``log_weight`` dies
 #: before the latter is made); BCE / soft margin (reduced) keep a 0-d mean while they copy it into the output.
-#: Value: position of ``reduction``.
-_LOSS_ARGS = {
-    aten.mse_loss.default: 2,
-    aten.smooth_l1_loss.default: 2,
-    aten.huber_loss.default: 2,
-    aten.binary_cross_entropy_with_logits.default: 4,
-    aten.binary_cross_entropy.default: 3,
-    aten.soft_margin_loss.default: 2,
-}
+_SCRATCH_LOSSES = frozenset({
+    aten.mse_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+    aten.binary_cross_entropy_with_logits.default, aten.binary_cross_entropy.default, aten.soft_margin_loss.default,
+})
 #: cuDNN batch norm backward runs on ``grad_output.contiguous(input.suggest_memory_format())``
 #: (aten/src/ATen/native/cudnn/BatchNorm.cpp): a copy while it runs when the gradient arrives in another layout
 _CUDNN_BN_BACKWARD = aten.cudnn_batch_norm_backward.default
-WORKSPACE_OPS = WORKSPACE_OPS | frozenset(_MATMUL_ARGS) | REDUCTION_OPS | frozenset(_LOSS_ARGS) | {_CUDNN_BN_BACKWARD}
+WORKSPACE_OPS = WORKSPACE_OPS | frozenset(_MATMUL_ARGS) | REDUCTION_OPS | _SCRATCH_LOSSES | {_CUDNN_BN_BACKWARD}
 #: CPU workspaces are measured on real tensors only up to this many argument bytes (then the CUDA rules apply)
 MEASURE_CAP_BYTES = 256 * 2**20
 _CACHE: dict[Any, int] = {}
@@ -103,10 +99,10 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
             if key not in _CACHE:
                 _CACHE[key] = _measure_cpu(func, flat, tspec)
             return _CACHE[key]
-    return kernel_scratch_bytes(spec, func, args)
+    return kernel_scratch_bytes(spec, func, args, kwargs)
 
 
-def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
+def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict | None = None) -> int:
     """Scratch bytes a CUDA kernel of ``func`` allocates from the caching allocator while it runs (see module doc)."""
     if func in _LAYER_NORM_ARGS:
         return sum(
@@ -121,8 +117,8 @@ def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
         x, grad = args[0], args[1]
         same = grad.is_contiguous(memory_format=suggest_memory_format(x))
         return 0 if same else spec.round_alloc(grad.numel() * grad.element_size())
-    if func in _LOSS_ARGS and len(args) > 1 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
-        return _loss_scratch_bytes(spec, func, args)
+    if func in _SCRATCH_LOSSES and len(args) > 1 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
+        return _loss_scratch_bytes(spec, func, args, kwargs or {})
     if func is aten._safe_softmax.default and args and isinstance(args[0], torch.Tensor):
         x = args[0]
         dim = int(args[1]) % max(1, x.dim()) if len(args) > 1 else x.dim() - 1
@@ -131,15 +127,14 @@ def kernel_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
     return 0
 
 
-def _loss_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple) -> int:
-    """Temporaries of a loss of :data:`_LOSS_ARGS` on CUDA (the reduction's staging not counted)."""
-    pos = _LOSS_ARGS[func]
-    reduced = (args[pos] if len(args) > pos else 1) != 0
+def _loss_scratch_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict) -> int:
+    """Temporaries of a loss of :data:`_SCRATCH_LOSSES` on CUDA (the reduction's staging not counted)."""
+    reduced = loss_reduced(func, args, kwargs)
     x = args[0]
     if func in (aten.binary_cross_entropy.default, aten.soft_margin_loss.default):
         return spec.round_alloc(x.element_size()) if reduced else 0
     n = 1
-    for d in torch.broadcast_shapes(x.shape, args[1].shape):
+    for d in unreduced_loss_shape(func, x, args[1]):
         n *= d
     one = spec.round_alloc(n * x.element_size())
     if func is aten.binary_cross_entropy_with_logits.default:
