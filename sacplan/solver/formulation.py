@@ -7,8 +7,9 @@ The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
   :class:`MilpIndex` naming the columns of each candidate;
 * :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
   :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation;
-* the row builders every model of the package shares (:func:`ratio_rows`, :func:`line_rows`,
-  :func:`nesting_rows`, :func:`count_column`, :func:`running_columns`).
+* :func:`running_columns`, the running sums of discards (also the PyTorch Graph adapter's caps,
+  :mod:`sacplan.solver.compat`); the candidates' rows (ratios, trade-off lines, nesting, counts) are private to the
+  models built here.
 
 The model
 ---------
@@ -316,15 +317,15 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
         idx.y.append(model.add_col(f"y{c.slot}", 0.0, 1.0, True))
         idx.r.append(model.add_col(f"r{c.slot}", 0.0, 1.0))
     for c in problem.candidates:
-        ratio_rows(model, c.slot, idx.y[c.slot], idx.r[c.slot], c.min_ratio)
-    idx.u = nesting_rows(model, {c.slot: idx.y[c.slot] for c in problem.candidates},
+        _ratio_rows(model, c.slot, idx.y[c.slot], idx.r[c.slot], c.min_ratio)
+    idx.u = _nesting_rows(model, {c.slot: idx.y[c.slot] for c in problem.candidates},
                          {c.slot: c.parent_slot for c in problem.candidates},
                          {c.slot: c.has_child for c in problem.candidates})
     if with_cost:
         # identical candidates (repeated blocks): how many of a class are checkpointed
         for key, members in problem.classes():
             if len(members) >= 2:
-                idx.K.append(count_column(model, "K", f"{members[0]}", [idx.y[s] for s in members]))
+                idx.K.append(_count_column(model, "K", f"{members[0]}", [idx.y[s] for s in members]))
         for c in problem.candidates:
             s = c.slot
             w = c.calls * c.recompute_ms
@@ -348,13 +349,13 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
                 )
                 continue
             idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
-            line_rows(model, s, idx.q[s], idx.r[s], idx.y[s], c.slopes, c.intercepts)
+            _line_rows(model, s, idx.q[s], idx.r[s], idx.y[s], c.slopes, c.intercepts)
         # exact classes: how many members reach each option level (integer, branched on with K)
         for key, members in problem.classes():
             if len(members) < 2 or members[0] not in idx.w:
                 continue
             for k in range(len(idx.w[members[0]])):
-                idx.N.append((count_column(model, "N", f"{members[0]}_{k + 1}", [idx.w[s][k] for s in members]),
+                idx.N.append((_count_column(model, "N", f"{members[0]}_{k + 1}", [idx.w[s][k] for s in members]),
                               members, k))
             # Symmetry breaking (valid, see :meth:`SacProblem.sequential`): of two checkpointed members, the earlier one
             # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
@@ -365,7 +366,7 @@ def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_co
                         model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
 
 
-def ratio_rows(model: MilpModel, label: object, y: int, r: int, min_ratio: float) -> None:
+def _ratio_rows(model: MilpModel, label: object, y: int, r: int, min_ratio: float) -> None:
     """``r ≤ y`` and, when ``min_ratio > 0``, ``r ≥ min_ratio·y`` (a checkpointed call frees at least what it
     keeps: :attr:`~sacplan.solver.candidates.Candidate.min_ratio`) for the columns ``y``, ``r`` of one candidate."""
     model.add_row(f"ry{label}", [r, y], [1.0, -1.0], ub=0.0)
@@ -373,7 +374,7 @@ def ratio_rows(model: MilpModel, label: object, y: int, r: int, min_ratio: float
         model.add_row(f"rmin{label}", [r, y], [1.0, -min_ratio], lb=0.0)
 
 
-def line_rows(model: MilpModel, label: object, q: int, r: int, y: int, slopes: Sequence[float],
+def _line_rows(model: MilpModel, label: object, q: int, r: int, y: int, slopes: Sequence[float],
               intercepts: Sequence[float]) -> None:
     """``q ≥ slope·r + intercept·y`` for each trade-off line of one candidate (lines below 0 on [0, 1]: implied by
     ``q ≥ 0``)."""
@@ -384,7 +385,7 @@ def line_rows(model: MilpModel, label: object, q: int, r: int, y: int, slopes: S
         model.add_row(f"line{label}_{li}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
 
 
-def nesting_rows(model: MilpModel, y: dict[int, int], parent: dict[int, int], has_child: dict[int, bool]) -> dict[int, int]:
+def _nesting_rows(model: MilpModel, y: dict[int, int], parent: dict[int, int], has_child: dict[int, bool]) -> dict[int, int]:
     """No checkpointed candidate inside another: ``u_i = u_parent + y_i ≤ 1`` along candidate chains (``u`` is
     ``y`` at a chain's top; a chain's last candidate needs no ``u`` column). ``y``: candidate → its column, parents
     before children; ``parent``: its nearest candidate ancestor (-1: none). Returns the ``u`` columns."""
@@ -402,7 +403,7 @@ def nesting_rows(model: MilpModel, y: dict[int, int], parent: dict[int, int], ha
     return u
 
 
-def count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) -> int:
+def _count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) -> int:
     """An integer column counting the 0/1 ``cols`` of a class of identical candidates (``K``: how many are
     checkpointed; ``N``: how many reach an option level): redundant, but branch-and-bound branches on *how many*
     instead of *which*, the source of the symmetric stall."""
