@@ -146,6 +146,15 @@ def split_groups(
     return always, free, never
 
 
+def fill_order(free: Sequence[OpGroup]) -> list[int]:
+    """The greedy fill's order of the free groups (indices into ``free``): most ms per byte first; ties: fewer
+    bytes first, then the earlier group. The one greedy order: saving a prefix of it is the knapsack's LP
+    relaxation at that prefix's bytes (:class:`~sacplan.solver.knapsack.GreedyFill`), and giving it up from its
+    end traces the trade-off's greedy vertices (:func:`~sacplan.tradeoff.greedy_vertices`), so every vertex is a
+    fill that ends on a whole group."""
+    return sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
+
+
 def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int], ...] | None:
     """``(index, name, occurrence)`` of the ops every save list keeps, when a plain checkpoint would not keep
     them: ``None`` unless an op reads an outside storage that is overwritten later (``tied_to`` holds ``-1``).

@@ -8,7 +8,8 @@ Given a module call's ops (:class:`~sacplan.stats.OpStat`), the activation bytes
 2. fixes the groups with no choice: views (free to recompute), groups that modify a tensor from outside
    the module (always saved), groups that cost no bytes to save (always saved) and groups that cost no
    time (always recomputed);
-3. takes the remaining groups in decreasing bytes-per-millisecond order (the greedy order) — each step
+3. gives the remaining groups up in the greedy fill's order from its end (least ms per byte first,
+   :func:`~sacplan.opgroups.fill_order`) — each step
    discards more bytes for more recompute time, with non-decreasing ms per byte, so the vertices lie on a
    convex curve;
 4. represents the *achievable* cost as a convex piecewise-linear upper bound (a max of lines) in
@@ -28,7 +29,7 @@ import math
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-from sacplan.opgroups import op_groups
+from sacplan.opgroups import fill_order, split_groups
 from sacplan.stats import OpStat, TradeOff
 
 #: Default cap on lines per module before the curve is simplified to chords of its biggest bends.
@@ -60,35 +61,26 @@ def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop:
 
 
 def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) -> tuple[list[tuple[int, float, int]], int]:
-    """Greedy plans of one module call.
+    """Greedy plans of one module call: the free groups (:func:`~sacplan.opgroups.split_groups`) given up one at a
+    time from the end of the greedy fill's order (:func:`~sacplan.opgroups.fill_order`: least ms per byte first).
 
     Returns:
         ``(vertices, mandatory_bytes)`` where each vertex is ``(discard_bytes, recompute_ms, recompute_flops)``
         in greedy order (first: every choosable group saved; last: only mandatory groups saved), and
         ``mandatory_bytes`` is what must be saved whatever the plan.
     """
-
-    base_ms = 0.0
-    base_flops = 0
-    mandatory = 0
-    candidates: list[tuple[int, float, int, int]] = []  # (bytes, ms, flops, head)
-    for g in op_groups(ops, False, recompute_stop):
-        if g.fixed == 0 or (g.fixed is None and g.bytes > 0 and g.ms <= 0.0):
-            base_ms += g.ms  # always recomputed: views (and what is tied to them), or no time to save by keeping it
-            base_flops += g.flops
-        elif g.fixed == 1 or g.bytes == 0:
-            mandatory += g.bytes  # saved in every plan (in-place on an outside tensor; bytes 0: saving is free)
-        else:
-            candidates.append((g.bytes, g.ms, g.flops, g.members[0]))
-    # Greedy: most bytes per ms first; ties by position for determinism.
-    candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
-    kept = mandatory + sum(c[0] for c in candidates)
-    ms, fl = base_ms, base_flops
+    always, free, never = split_groups(ops, False, recompute_stop)
+    mandatory = sum(g.bytes for g in always)  # saved in every plan (in-place on an outside tensor; saving is free)
+    ms, fl = 0.0, 0
+    for g in never:  # recomputed in every plan: views (and what is tied to them), groups that save no time
+        ms += g.ms  # (added in turn, as the vertices below are: sum() compensates on Python >= 3.12)
+        fl += g.flops
+    kept = mandatory + sum(g.bytes for g in free)
     vertices = [(act_bytes - kept, ms, fl)]
-    for cost, cms, cfl, _ in candidates:
-        kept -= cost
-        ms += cms
-        fl += cfl
+    for i in reversed(fill_order(free)):
+        kept -= free[i].bytes
+        ms += free[i].ms
+        fl += free[i].flops
         vertices.append((act_bytes - kept, ms, fl))
     return vertices, mandatory
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
 from sacplan.solver.backends import solve_model
-from sacplan.opgroups import OpGroup
+from sacplan.opgroups import OpGroup, fill_order
 from sacplan.solver.model import OPTIMAL, MilpModel
 from sacplan.stats import OpStat
 
@@ -115,8 +115,8 @@ class GreedyFill:
 
     def __init__(self, ops: tuple[OpStat, ...], always: Sequence[OpGroup], free: Sequence[OpGroup], stop: int) -> None:
         self.ops, self.stop, self.groups, self.always_groups = ops, stop, list(free), list(always)
-        #: free groups (indices into ``free``) by ms per byte, most first
-        self.order = sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
+        #: free groups (indices into ``free``) in the greedy order (:func:`~sacplan.opgroups.fill_order`)
+        self.order = fill_order(free)
         self.free = [free[i] for i in self.order]
         self.bytes = np.array([g.bytes for g in self.free], dtype=np.int64)
         self.ms = np.array([g.ms for g in self.free], dtype=float)
