@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sacplan.errors import InfeasibleBudgetError, SolverError
+from sacplan.errors import SolverError
 from sacplan.plan import Plan
-from sacplan.solver import limits, strategies
+from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import build_budget_model
 from sacplan.solver.judge import Verdict, judge
@@ -27,7 +27,7 @@ from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, relaxed
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import per_module_peak
-from sacplan.solver.min_peak import solve_min_peak
+from sacplan.solver.min_peak import min_peak_plan, solve_min_peak
 from sacplan.solver.strategies import Found, find
 from sacplan.tree import ModuleTree
 from sacplan.units import Bytes, parse_budget
@@ -112,23 +112,26 @@ def _recompute_lower_bound(
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
 
-    def infeasible() -> InfeasibleBudgetError:  # the smallest feasible budget of the exact problem
-        return strategies.infeasible(SacProblem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
+    def infeasible() -> float:
+        """InfeasibleBudgetError with the exact problem's smallest feasible budget; 0.0 (a valid bound) where its
+        min-peak plan fits after all (a solver's tolerance at the feasibility edge)."""
+        min_peak_plan(SacProblem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
+        return 0.0
 
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget_bytes:
-        raise infeasible()
+        return infeasible()
     model, idx, trivially_infeasible = build_budget_model(problem, float(budget_bytes))
     if trivially_infeasible:
-        raise infeasible()
+        return infeasible()
     res = solve_model(model, solver, time_limit_s=opts.time_limit_s, gap_rel=1e-6, gap_abs=1e-9, threads=threads,
                       priorities={k: 1 for k in idx.K} or None, options=["preprocess off"])  # see _solve_budget_model
     if res.status == INFEASIBLE:
-        raise infeasible()
+        return infeasible()
     if not math.isfinite(res.bound):  # stopped before its root bound: the LP relaxation's, weaker but valid
         with lifted():  # one LP: a bound even from a spent budget
             lp = solve_model(relaxed(model), lp_solver(solver), threads=threads)
         if lp.status == INFEASIBLE:
-            raise infeasible()
+            return infeasible()
         if lp.status != OPTIMAL:
             raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
         return max(0.0, float(lp.objective))
