@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
+from sacplan.solver import limits
 from sacplan.solver.backends import solve_model
 from sacplan.opgroups import OpGroup, fill_order
 from sacplan.solver.model import OPTIMAL, MilpModel
@@ -67,22 +68,25 @@ def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: 
 KNAPSACK_NODES = 10_000
 
 
-def knapsack(fill: "GreedyFill", cap: int, solver: str, milp: bool = True) -> tuple[OpSelection, float]:
+def knapsack(fill: "GreedyFill", cap: int, solver: str, safety_net: str | None = None) -> tuple[OpSelection, float]:
     """The 0/1 knapsack of :func:`~sacplan.solver.ops.select_ops` at ``cap`` saved bytes, over the split that
-    ``fill`` holds (:func:`~sacplan.opgroups.split_groups`).
+    ``fill`` holds (:func:`~sacplan.opgroups.split_groups`). ``safety_net``: the part to record when the call's
+    wall-clock safety net has fired (:func:`~sacplan.solver.limits.past_deadline`): then the greedy fill is
+    returned (None: always solved exactly).
 
-    Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (``milp=False``
-    and the greedy fill was fractional) the ms per call the knapsack's LP relaxation saves beyond the greedy
-    fill returned — no save list under ``cap`` recomputes less than ``selection.recompute_ms - slack_ms``."""
+    Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (the safety net
+    fired, or the MILP stopped, and the greedy fill was fractional) the ms per call the knapsack's LP relaxation
+    saves beyond the selection returned — no save list under ``cap`` recomputes less than
+    ``selection.recompute_ms - slack_ms``."""
     # LP relaxation of the knapsack: take groups by ms per byte; integral => optimal. A fill that uses the room
     # exactly is integral too (the next group's fraction is 0): the trade-off's greedy vertices are such fills,
     # so module_options needs no MILP for them (Mistral-7B's decoder stack: 989 of its 991 sampled ratios).
-    sel, slack = fill(cap)
-    if slack <= 0 or not milp:
-        return sel, slack
+    mask, slack = fill.take(cap)
+    if slack <= 0 or (safety_net is not None and limits.past_deadline(safety_net)):
+        return fill.selection(mask), slack
     # Exact 0/1 knapsack by MILP over the groups that fit (in op order); the greedy fill is a feasible warm start.
     room = cap - fill.used
-    take = fill.taken(cap)  # in density order, as the fill took them
+    take = [fill.order[k] for k in np.nonzero(mask[:-1])[0].tolist()]  # in density order, as the fill took them
     taken = set(take)
     cand = [i for i, g in enumerate(fill.groups) if g.bytes <= room]
     model = MilpModel(name="sacplan_ops")
@@ -135,8 +139,13 @@ class GreedyFill:
         self.flops: np.ndarray | list[int] = np.array(flops, dtype=np.int64) if sum(map(abs, flops)) < 2**62 else flops
         self.before_stop = self.index < stop
 
-    def _fill(self, cap: int) -> tuple[np.ndarray, float]:
-        """The free groups taken at ``cap`` (a mask over density ranks, one entry more: False) and the slack (ms)."""
+    def take(self, cap: int) -> tuple[np.ndarray, float]:
+        """The fill at ``cap`` saved bytes: the free groups it takes (a mask over density ranks, one entry more:
+        False) and its slack (ms): 0 when it ends on a whole group (then optimal), else what the LP relaxation
+        saves beyond it.
+
+        Raises:
+            InfeasibleBudgetError: the always-saved groups alone hold more than ``cap``."""
         if self.used > cap:
             raise InfeasibleBudgetError(
                 cap, self.used, "(op level: the in-place/random ops that must be saved hold more than max_saved_bytes)"
@@ -154,21 +163,11 @@ class GreedyFill:
             slack = left * float(self.ms[nxt]) / float(self.bytes[nxt])
         return take, slack
 
-    def taken(self, cap: int) -> list[int]:
-        """The free groups (indices into ``free``) the fill at ``cap`` saves."""
-        take = self._fill(cap)[0]
-        return [self.order[k] for k in np.nonzero(take[:-1])[0].tolist()]
-
-    def __call__(self, cap: int) -> tuple[OpSelection, float]:
-        """``(selection, slack_ms)`` of the fill at ``cap`` saved bytes: ``slack_ms`` 0 when it ends on a whole
-        group (then optimal), else what the LP relaxation saves beyond it.
-
-        Raises:
-            InfeasibleBudgetError: the always-saved groups alone hold more than ``cap``."""
-        take, slack = self._fill(cap)
+    def selection(self, take: np.ndarray) -> OpSelection:
+        """The :class:`OpSelection` of a fill's mask ``take`` (:meth:`take`)."""
         saved = self.always | take[self.group]  # group -1 (not free) reads the last entry: False
         rec = ~saved & self.before_stop
-        sel = OpSelection(
+        return OpSelection(
             saved=tuple(sorted(self.index[saved].tolist())),
             saved_bytes=int(self.used + int(self.bytes[take[:-1]].sum())),
             recompute_ms=math.fsum(self.runtime[rec].tolist()),
@@ -176,4 +175,3 @@ class GreedyFill:
                              else sum(f for f, r in zip(self.flops, rec.tolist()) if r)),
             solved=False,
         )
-        return sel, slack

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
-from sacplan.solver import limits
 from sacplan.solver.front import FRONT_CAP, front_of_groups, lower_hull_indices, thin_front
 from sacplan.opgroups import OpGroup, split_groups, stop_index
 from sacplan.solver.knapsack import GreedyFill, OpSelection, knapsack, selection_of
@@ -224,11 +223,8 @@ def _sampled(fill: GreedyFill, ratios: Sequence[float], A: int, solver: str) -> 
     slacks: dict[OpSelection, float] = {}
     for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
         cap = max(0, min(A, int(round(A * (1.0 - r)))))
-        try:
-            sel, sl = fill(cap)
-            # fractional: the exact knapsack (past the wall-clock safety net the fill, within sl)
-            if sl > 0 and not limits.past_deadline("op-level options"):
-                sel, sl = knapsack(fill, cap, solver)
+        try:  # past the wall-clock safety net the fill, within sl
+            sel, sl = knapsack(fill, cap, solver, safety_net="op-level options")
         except InfeasibleBudgetError:
             continue
         slacks[sel] = max(slacks.get(sel, 0.0), sl)
