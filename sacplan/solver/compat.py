@@ -100,7 +100,7 @@ def sac_milp(
                 budget,
                 world_size=world_size,
                 ac_units=list(ac_units) if ac_units is not None else None,
-                fsdp_units=list(fsdp_units) if fsdp_units is not None else None,
+                fsdp_units=list(fsdp_units or ()),  # PyTorch's None: no FSDP units (solve's None: the stats' own)
                 options=opts.replace(op_level=False),
             )
         except InfeasibleBudgetError:
