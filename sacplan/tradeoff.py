@@ -29,14 +29,14 @@ import math
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-from sacplan.opgroups import fill_order, split_groups
+from sacplan.opgroups import fill_order, split_groups, stop_index
 from sacplan.stats import OpStat, TradeOff
 
 #: Default cap on lines per module before the curve is simplified to chords of its biggest bends.
 DEFAULT_MAX_LINES = 8
 
 
-def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop: int) -> int:
+def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop: int | None) -> int:
     """Bytes a selective recomputation of one call peaks above a full one's (0 if it does not).
 
     A full recomputation re-runs ops ``0 .. recompute_stop - 1`` and holds at most what the forward held among
@@ -44,10 +44,11 @@ def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop:
     forward held each only from the op that made it: while op ``t`` re-runs, the forward's live bytes plus the
     saved bytes made after ``t``. With ``b_t`` = :attr:`~sacplan.stats.OpStat.below_peak_bytes` and ``K_t`` the
     saved bytes after ``t``: ``max(0, max_t (K_t - b_t) - max_t (-b_t))`` over ``t < recompute_stop``.
-    0 for a full checkpoint (nothing saved) and when the ops carry no live figures.
+    0 for a full checkpoint (nothing saved), for a stop at 0 (nothing re-run) and when the ops carry no live
+    figures; ``recompute_stop`` None: no early stop (:func:`~sacplan.opgroups.stop_index`).
     """
     keep = set(saved)
-    stop = max(0, min(recompute_stop, len(ops)))
+    stop = max(0, min(stop_index(ops, recompute_stop), len(ops)))
     if not keep or stop == 0 or any(o.below_peak_bytes is None for o in ops[:stop]):
         return 0
     after = sum(o.save_cost_bytes for o in ops[stop:] if o.index in keep)  # held from the start too
@@ -60,7 +61,9 @@ def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop:
     return max(0, int(with_saved - full))
 
 
-def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) -> tuple[list[tuple[int, float, int]], int]:
+def greedy_vertices(
+    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int | None
+) -> tuple[list[tuple[int, float, int]], int]:
     """Greedy plans of one module call: the free groups (:func:`~sacplan.opgroups.split_groups`) given up one at a
     time from the end of the greedy fill's order (:func:`~sacplan.opgroups.fill_order`: least ms per byte first).
 
@@ -86,7 +89,7 @@ def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) 
 
 
 def build_tradeoff(
-    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int, max_lines: int = DEFAULT_MAX_LINES
+    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int | None, max_lines: int = DEFAULT_MAX_LINES
 ) -> TradeOff | None:
     """The :class:`TradeOff` of one module call, or ``None`` when checkpointing it cannot free anything."""
     if act_bytes <= 0 or not ops:

@@ -126,9 +126,7 @@ def _recompute_lower_bound(
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
 
-    def infeasible() -> float:
-        """InfeasibleBudgetError with the exact problem's smallest feasible budget; 0.0 (a valid bound) where its
-        min-peak plan fits after all (a solver's tolerance at the feasibility edge)."""
+    def infeasible() -> float:  # raises with the exact problem's smallest feasible budget; 0.0 if its plan fits
         min_peak_plan(_problem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
         return 0.0
 
