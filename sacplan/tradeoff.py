@@ -133,16 +133,23 @@ def staircase(points: Sequence[tuple[float, float]], r: float) -> float:
     return float("inf")
 
 
-@lru_cache(maxsize=4096)
-def _upper_lines(points: tuple[tuple[float, float], ...], max_lines: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    slopes = [0.0]
-    intercepts = [points[0][1]]
+def segment_lines(points: Sequence[tuple[float, float]], corner: bool = False) -> tuple[list[float], list[float]]:
+    """Slope and intercept of the line of each segment of ``points`` (those wider than 1e-15 in ``r``): its chord, or
+    with ``corner`` the chord raised to pass through the staircase corner ``(r_{k-1}, q_k)``."""
+    slopes, intercepts = [], []
     for (r0, q0), (r1, q1) in zip(points, points[1:]):
         if r1 - r0 <= 1e-15:
             continue
         s = (q1 - q0) / (r1 - r0)
         slopes.append(s)
-        intercepts.append(q1 - s * r0)
+        intercepts.append((q1 if corner else q0) - s * r0)
+    return slopes, intercepts
+
+
+@lru_cache(maxsize=4096)
+def _upper_lines(points: tuple[tuple[float, float], ...], max_lines: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    slopes, intercepts = segment_lines(points, corner=True)
+    slopes, intercepts = [0.0] + slopes, [points[0][1]] + intercepts
     if len(slopes) > max_lines:
         slopes, intercepts = _fit_fewer(points, max_lines)
     return tuple(float(s) for s in slopes), tuple(float(b) for b in intercepts)

@@ -20,7 +20,7 @@ from sacplan.solver.front import FRONT_CAP, front_of_groups, lower_hull_indices,
 from sacplan.opgroups import OpGroup, split_groups, stop_index
 from sacplan.solver.knapsack import GreedyFill, OpSelection, knapsack, selection_of
 from sacplan.stats import OpStat
-from sacplan.tradeoff import greedy_vertices
+from sacplan.tradeoff import greedy_vertices, segment_lines
 
 
 _CACHE: dict[tuple, OpSelection] = {}
@@ -309,13 +309,7 @@ def fractional_lines(
     pts.append((1.0, 1.0))
     pts = sorted(set(pts))
     hull = [pts[i] for i in sorted(lower_hull_indices(pts))]
-    slopes, intercepts = [], []
-    for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
-        if x2 - x1 <= 1e-15:
-            continue
-        s = (y2 - y1) / (x2 - x1)
-        slopes.append(s)
-        intercepts.append(y1 - s * x1)
+    slopes, intercepts = segment_lines(hull)
     if not slopes:
         slopes, intercepts = [0.0], [min(1.0, hull[0][1]) if hull else 0.0]
     return tuple(slopes), tuple(intercepts)
