@@ -7,9 +7,9 @@ The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
   :class:`MilpIndex` naming the columns of each candidate;
 * :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
   :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation;
-* :func:`running_columns`, the running sums of discards (bounded above where the PyTorch Graph adapter caps them,
-  :mod:`sacplan.solver.compat`); the candidates' rows (ratios, trade-off lines, nesting, counts) are private to the
-  models built here.
+* the running sums of discards (:func:`_running_columns`; bounded above where the PyTorch Graph adapter caps them,
+  :mod:`sacplan.solver.compat`) and the candidates' rows (ratios, trade-off lines, nesting, counts) are private to
+  the models built here.
 
 The model
 ---------
@@ -133,13 +133,13 @@ def _event_model(
     if budget is None:
         idx.P = model.add_col("P", max(0.0, other / GiB if other > -math.inf else 0.0), math.inf, False, 1.0)
     lbs = ({kc: nd / GiB for kc, nd in fw}, {kc: nd / GiB for kc, nd in bw}) if budget is not None else ({}, {})
-    Fcol = running_columns(problem, model, idx, "F", [kc for kc, _ in fw] + [kf for kf, *_ in mixed] + list(caps),
+    Fcol = _running_columns(problem, model, idx, "F", [kc for kc, _ in fw] + [kf for kf, *_ in mixed] + list(caps),
                            lbs[0], forward=True, ub={kc: v / GiB for kc, v in caps.items()})
     idx.F.extend(Fcol.items())
-    Gcol = running_columns(
+    Gcol = _running_columns(
         problem, model, idx, "G",
         [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []), lbs[1],
-        forward=False)
+        forward=False, ub={})
     idx.G.extend(Gcol.items())
     return model, idx, (fw, bw, rc, other, mixed), (Fcol, Gcol)
 
@@ -419,9 +419,9 @@ def _count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) 
     return k
 
 
-def running_columns(
+def _running_columns(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, name: str, kcs: Sequence[int], lb: dict[int, float],
-    forward: bool, ub: Mapping[int, float] | None = None,
+    forward: bool, ub: Mapping[int, float],
 ) -> dict[int, int]:
     """One running sum's columns ``S_kc = S_prev + Σ (A·r - o·y)/GiB`` over the candidate entries between:
     forward (``F``), entries ``< kc`` of ``fw_post_order`` with ``kc`` ascending; backward (``G``), entries
@@ -432,7 +432,7 @@ def running_columns(
     cols: dict[int, int] = {}
     prev_col, prev_kc = -1, (0 if forward else len(slot))
     for kc in sorted(set(kcs), reverse=not forward):
-        col = model.add_col(f"{name}{kc}", lb.get(kc, -math.inf), (ub or {}).get(kc, math.inf))
+        col = model.add_col(f"{name}{kc}", lb.get(kc, -math.inf), ub.get(kc, math.inf))
         ind, val = [col], [1.0]
         if prev_col >= 0:
             ind.append(prev_col)
