@@ -38,17 +38,15 @@ class OpSelection:
         saved_bytes: ``Σ save_cost_bytes`` of the saved ops.
         recompute_ms: runtime of the recomputed ops with index < ``recompute_stop``.
         recompute_flops: FLOPs of those ops.
-        solved: True when an MILP solve was needed (False: trivial or greedy-optimal).
     """
 
     saved: tuple[int, ...]
     saved_bytes: int
     recompute_ms: float
     recompute_flops: int
-    solved: bool = False
 
 
-def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: bool) -> OpSelection:
+def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int) -> OpSelection:
     """The :class:`OpSelection` saving the ops at positions ``saved_pos`` of ``ops`` (priced with ``math.fsum``
     over the recomputed ops before ``stop``)."""
     saved = tuple(sorted(ops[p].index for p in saved_pos))
@@ -59,7 +57,6 @@ def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: 
         saved_bytes=sb,
         recompute_ms=math.fsum(op.runtime_ms for op in rec),
         recompute_flops=int(sum(op.flops for op in rec)),
-        solved=solved,
     )
 
 
@@ -108,7 +105,7 @@ def knapsack(fill: "GreedyFill", cap: int, solver: str, safety_net: str | None =
         if sum(fill.groups[i].bytes for i in chosen) > room:
             chosen = take
     saved = {p for g in fill.always_groups for p in g.members} | {p for i in chosen for p in fill.groups[i].members}
-    return selection_of(fill.ops, saved, fill.stop, True), slack
+    return selection_of(fill.ops, saved, fill.stop), slack
 
 
 class GreedyFill:
@@ -173,5 +170,4 @@ class GreedyFill:
             recompute_ms=math.fsum(self.runtime[rec].tolist()),
             recompute_flops=(int(self.flops[rec].sum()) if isinstance(self.flops, np.ndarray)
                              else sum(f for f, r in zip(self.flops, rec.tolist()) if r)),
-            solved=False,
         )

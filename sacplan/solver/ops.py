@@ -157,7 +157,7 @@ def module_options(
     # The plain full checkpoint saves only what is forced (in-place writes to outside tensors) and recomputes
     # every other op before the stop, free ones included (as apply_plan does): its cost may exceed R.
     forced = {p for g in saved_groups if g.fixed == 1 for p in g.members}
-    q_full = selection_of(ops, forced, stop, False).recompute_ms / R if R > 0 else 1.0
+    q_full = selection_of(ops, forced, stop).recompute_ms / R if R > 0 else 1.0
     pts: list[tuple[float, float, OpSelection | _Pending | None]] = [(1.0, max(1.0, q_full), None)]
     if A > 0 and R > 0:
         if len(free) <= DP_MAX_GROUPS or not ratios:
@@ -273,7 +273,7 @@ def _realise(
             for i, g in enumerate(free):
                 if sel.mask >> i & 1:
                     saved.update(g.members)
-            sel = selection_of(ops, saved, stop, False)
+            sel = selection_of(ops, saved, stop)
             r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R) + selective_frac
         out.append((r, q, sel))
     return _undominated(sorted(out, key=lambda p: (-p[0], p[1])))
