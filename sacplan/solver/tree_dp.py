@@ -74,6 +74,11 @@ MAX_FRONT = 200_000
 MAX_PAIRS = 20_000_000
 #: pairs summed at once (bounds the memory of one chunk: ~(K+1)·8 bytes each)
 CHUNK_PAIRS = 1_000_000
+#: points above which :func:`pareto` with two coordinates first drops, in blocks of :data:`PREFILTER_BLOCK`,
+#: those an earlier block's staircase dominates (:func:`prefilter_2d`: the same result, without the full
+#: three-key sort of every point: the chain DP's largest sums form millions of pairs of which ~1% stay)
+PREFILTER_MIN = 8192
+PREFILTER_BLOCK = 2048
 #: float slack of the relaxation, relative to the largest byte figure summed (the exact check decides): sums of
 #: n terms err by at most ~n·2.2e-16 of it, below this for n up to thousands of candidates
 TOL_REL = 1e-12
@@ -156,6 +161,10 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
     n, K = vec.shape
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if K == 2 and n > PREFILTER_MIN:  # most points of a large 2-D sum go before the full sort
+        sub = prefilter_2d(cost, vec, spend)
+        if len(sub) < n:
+            return sub[pareto(cost[sub], vec[sub], spend)]
     order = np.lexsort(tuple(-vec[:, j] for j in range(K - 1, -1, -1)) + (cost,))
     v = vec[order]
     if K == 1:
@@ -178,6 +187,27 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
         kept.append(np.nonzero(~(dom | np.tril(inner, -1).any(1)))[0] + lo)
         n_kept += len(kept[-1])
     return order[np.concatenate(kept)]
+
+
+def prefilter_2d(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray:
+    """A superset of :func:`pareto`'s points for two coordinates, cheaper than its full sort (indices ascending).
+
+    Points in cost order (stable: of equal costs the lower index first), block by block against the staircase
+    of every earlier block: a point goes when an earlier one has both coordinates >=, which weakly dominates it
+    (cost <=; an equal point earlier has the lower index), so :func:`pareto` drops it too; and :func:`pareto` of
+    what is left is :func:`pareto` of all (a dominated point's undominated dominator is left; the left points
+    keep their relative order, so the full sort breaks ties among them as before)."""
+    order = np.argsort(cost, kind="stable")
+    v = vec[order]
+    stair = np.empty((0, 2))
+    gone = np.zeros(len(v), dtype=bool)
+    for lo in range(0, len(v), PREFILTER_BLOCK):
+        cv = v[lo:lo + PREFILTER_BLOCK]
+        if spend is not None:
+            spend(2 * (len(cv) + len(stair)))
+        gone[lo:lo + len(cv)] = dominated_by(stair, cv)
+        stair = staircase(np.concatenate([stair, cv[~gone[lo:lo + len(cv)]]]))
+    return np.sort(order[~gone])
 
 
 def staircase(v: np.ndarray) -> np.ndarray:
