@@ -167,6 +167,10 @@ def test_pareto_prefilter_changes_nothing(seed):
     pre = dp_mod.prefilter_2d(cost, vec)
     assert set(want.tolist()) <= set(pre.tolist()) and len(pre) < n // 2
     assert pre.tolist() == sorted(pre.tolist())
+    # on a staircase (each point more of one coordinate, less of the other) it gives up: nothing to drop
+    x = rng.permutation(n).astype(float)
+    assert dp_mod.prefilter_2d(cost, np.column_stack([x, -x])) is None
+    assert sorted(pareto(cost, np.column_stack([x, -x])).tolist()) == list(range(n))
 
 
 def test_pareto_keeps_its_work_limit_on_large_fronts():
