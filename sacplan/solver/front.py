@@ -18,6 +18,8 @@ from sacplan.stats import OpStat
 
 #: Pareto points the exact front may hold before it is thinned (see :func:`pareto_front`)
 FRONT_CAP = 20000
+#: vectorised rounds :func:`_strictly_better` tries on near-ties before the plain scan
+SCAN_ROUNDS = 16
 
 
 def pareto_front(
@@ -91,6 +93,16 @@ def _strictly_better(m: np.ndarray) -> np.ndarray:
     keep[0] = True
     if np.array_equal(np.maximum.accumulate(np.where(keep, m, -np.inf)), run):
         return keep
+    # the scan's answer is the one fixed point of "kept iff above the last kept before it" (each point's answer
+    # depends on the earlier ones only): iterate from the guess, each round settles at least the first wrong one
+    for _ in range(SCAN_ROUNDS):
+        last = np.concatenate([[-np.inf], np.maximum.accumulate(np.where(keep, m, -np.inf))[:-1]])
+        with np.errstate(invalid="ignore"):
+            again = m > last + 1e-12 * np.maximum(1.0, np.abs(last))
+        again[0] = True
+        if np.array_equal(again, keep):
+            return keep
+        keep = again
     keep = np.zeros(len(m), dtype=bool)
     best = -math.inf
     for i, v in enumerate(m.tolist()):
