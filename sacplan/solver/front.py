@@ -58,7 +58,7 @@ def front_of_groups(free: Sequence[OpGroup], cap: int) -> tuple[list[tuple[int, 
         nm = np.concatenate([M, M + float(g.ms)])
         src = np.concatenate([np.arange(len(B)), np.arange(len(B))])
         took = np.concatenate([np.zeros(len(B), dtype=bool), np.ones(len(B), dtype=bool)])
-        order = np.lexsort((-nm, nb))  # by bytes, then most ms; stable
+        order = _merge_order(B, M, nb[len(B):], nm[len(B):])  # by bytes, then most ms; stable
         nb, nm, src, took = nb[order], nm[order], src[order], took[order]
         keep = _strictly_better(nm)
         nb, nm, src, took = nb[keep], nm[keep], src[keep], took[keep]
@@ -71,14 +71,32 @@ def front_of_groups(free: Sequence[OpGroup], cap: int) -> tuple[list[tuple[int, 
             nb, nm, src, took = nb[last], nm[last], src[last], took[last]
         steps.append((src, took))
         B, M = nb, nm
-    masks = [0] * len(B)
+    taken = np.zeros((len(B), len(steps)), dtype=bool)  # [point, group]: the group is saved
     idx = np.arange(len(B))
     for i in range(len(steps) - 1, -1, -1):
         src, took = steps[i]
-        for j in np.nonzero(took[idx])[0].tolist():
-            masks[j] |= 1 << i
+        taken[:, i] = took[idx]
         idx = src[idx]
+    bits = np.packbits(taken, axis=1, bitorder="little")  # group i -> bit i
+    masks = [int.from_bytes(row.tobytes(), "little") for row in bits]
     return [(int(b), float(m), k) for b, m, k in zip(B.tolist(), M.tolist(), masks)], complete
+
+
+def _merge_order(b: np.ndarray, m: np.ndarray, b2: np.ndarray, m2: np.ndarray) -> np.ndarray:
+    """``np.lexsort((-ms, bytes))`` of the front ``(b, m)`` followed by its copy ``(b2, m2)`` (``b + g.bytes``),
+    by merging: both strictly increasing in bytes (a front), so a copy's point goes after the points of fewer
+    bytes and after an equal-bytes one saving at least as much (that one comes first, by index)."""
+    n = len(b)
+    at = np.searchsorted(b, b2, side="left")
+    hit = np.minimum(at, n - 1)
+    at += (at < n) & (b[hit] == b2) & (m[hit] >= m2)
+    pos = at + np.arange(n)  # the copy's positions in the merged order
+    order = np.empty(2 * n, dtype=np.int64)
+    mine = np.ones(2 * n, dtype=bool)
+    mine[pos] = False
+    order[pos] = np.arange(n, 2 * n)
+    order[mine] = np.arange(n)
+    return order
 
 
 def _strictly_better(m: np.ndarray) -> np.ndarray:
