@@ -79,6 +79,9 @@ CHUNK_PAIRS = 1_000_000
 #: three-key sort of every point: the chain DP's largest sums form millions of pairs of which ~2% stay)
 PREFILTER_MIN = 8192
 PREFILTER_BLOCK = 2048
+#: points per block of :func:`pareto_2d`, and those left in a block up to which they are compared pairwise
+PARETO_BLOCK = 512
+PAIRWISE_MAX = 48
 #: float slack of the relaxation, relative to the largest byte figure summed (the exact check decides): sums of
 #: n terms err by at most ~n·2.2e-16 of it, below this for n up to thousands of candidates
 TOL_REL = 1e-12
@@ -245,25 +248,37 @@ def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def pareto_2d(v: np.ndarray, spend: Spend = None) -> np.ndarray:
     """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
-    has both coordinates >=. Vectorised pass: each block against the staircase of every earlier block (most
-    points go); then an exact sweep over the few left with a staircase in lists."""
-    n = len(v)
-    block = 512
+    has both coordinates >= (positions, ascending). Block by block: against the staircase of every earlier block
+    (most points go), then the few left against the earlier ones left in their block (one that the staircase
+    dominates dominates nothing the staircase does not): pairwise where few are left, else by a sweep with a
+    staircase in lists."""
     stair = np.empty((0, 2))
-    left: list[np.ndarray] = []
-    for lo in range(0, n, block):
-        cv = v[lo:lo + block]
-        if spend is not None:
-            spend(2 * (len(cv) + len(stair)))
-        left.append(np.nonzero(~dominated_by(stair, cv))[0] + lo)
-        stair = staircase(np.concatenate([stair, cv]))
-    idx = np.concatenate(left)
+    keep: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+    seen = 0  # points left so far: charged 8 units each, by started runs of 4,096 (as the one sweep was)
+    for lo in range(0, len(v), PARETO_BLOCK):
+        cv = v[lo:lo + PARETO_BLOCK]
+        left = np.nonzero(~dominated_by(stair, cv))[0]
+        if spend is not None:  # the staircase test, and a few dozen operations per point left
+            spend(2 * (len(cv) + len(stair)) + 4096 * 8 * (-(-(seen + len(left)) // 4096) - -(-seen // 4096)))
+        seen += len(left)
+        c = cv[left]
+        if len(left) <= PAIRWISE_MAX:
+            earlier = (c[None, :, 0] >= c[:, None, 0]) & (c[None, :, 1] >= c[:, None, 1])  # [i, j]: j has both >=
+            ok = np.nonzero(~np.tril(earlier, -1).any(1))[0]
+        else:
+            ok = sweep_2d(c)
+        keep.append(left[ok] + lo)
+        stair = staircase(np.concatenate([stair, c[ok]]))
+    return np.concatenate(keep)
+
+
+def sweep_2d(v: np.ndarray) -> np.ndarray:
+    """Positions of the points ``v`` (in order) that no earlier one dominates (both coordinates >=), by one
+    sweep keeping the staircase of those kept in lists."""
     xs: list[float] = []  # the kept points' staircase: xs ascending, ys descending
     ys: list[float] = []
     keep = []
-    for t, (j, a, b) in enumerate(zip(idx.tolist(), v[idx, 0].tolist(), v[idx, 1].tolist())):
-        if t % 4096 == 0 and spend is not None:
-            spend(4096 * 8)  # bisect, compare, list edits: a few dozen operations per point
+    for j, (a, b) in enumerate(zip(v[:, 0].tolist(), v[:, 1].tolist())):
         i = bisect.bisect_left(xs, a)
         if i < len(xs) and ys[i] >= b:
             continue
