@@ -9,6 +9,7 @@ Usage::
                                                               # (Llama-7B shape, planned for 8 FSDP ranks)
     python benchmarks/solver_scaling.py --user-trees          # issue 26's third-party trees (below)
     python benchmarks/solver_scaling.py --user-trees --only bert-large --cache /tmp/trees
+    python benchmarks/solver_scaling.py --tiny-cnns --cache /tmp/cnn_trees   # issue 26.2's tiny conformance CNNs
 
 ``--user-trees``: the trees users bring (issue 26), collected on fakes for an H100 (bf16, AdamW) from the libraries'
 config objects, planned at the budget midway between the minimum feasible and the no-AC peak: with the default
@@ -403,6 +404,61 @@ def _user_row(name: str, cells: list) -> str:
                   f"{'yes' if same else f'no ({p1.objective_ms:.4f} vs {p2.objective_ms:.4f} ms)'} |")
 
 
+#: issue 26.2's tiny CNNs (170-210 modules; the 2 s target), as tests/conformance collects them for the CPU
+TINY_CNNS = ("tv-mobilenet-v3", "timm-efficientnet", "timm-efficientformer")
+
+
+def _tiny_cnn(name: str, cache: str | None):
+    """``(tree, budgets)`` of one conformance model, as tests/conformance's ``_setup`` collects it (from ``cache``
+    when there; pickled there after collecting)."""
+    import pickle
+
+    path = None if cache is None else os.path.join(cache, f"conformance-{name}.pkl")
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    import conformance_tiny  # benchmarks/ is on sys.path: this script's folder
+
+    _, tree, budgets = conformance_tiny._suite()._setup(name)
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump((tree, dict(budgets)), f)
+        os.replace(path + ".tmp", path)
+    return tree, budgets
+
+
+def tiny_cnns_table(args) -> None:
+    """Issue 26.2's table: the tiny conformance CNNs at their three budgets with the default settings (the
+    median of ``--repeat`` solves): wall seconds, status, who proved it, the chain DP's work units (the
+    deterministic figure), recompute ms, and the host's load average before each row."""
+    from sacplan.units import Bytes
+
+    warnings.simplefilter("ignore")
+    print(f"# python {sys.version.split()[0]}; {os.cpu_count()} CPUs; median of {args.repeat}")
+    print("| model (modules) | budget | s (median) | all runs s | status / gap | proved by | DP work units | "
+          "recompute ms | load |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in TINY_CNNS:
+        if args.only and not any(o in name for o in args.only):
+            continue
+        tree, budgets = _tiny_cnn(name, args.cache)
+        for budget, at in budgets.items():
+            if args.budgets_named and budget not in args.budgets_named:
+                continue
+            load = os.getloadavg()[0]
+            runs = []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                p = solve(tree, Bytes(int(at)))
+                runs.append((time.perf_counter() - t0, p))
+            s, p = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+            dp = p.meta.get("tree_dp") if isinstance(p.meta.get("tree_dp"), dict) else {}
+            print(f"| {name} ({len(tree)}) | {budget} | {s:.2f} | {' '.join(f'{r[0]:.2f}' for r in runs)} | "
+                  f"{p.status} {p.gap:.2%} | {p.meta.get('proved_by')} | {dp.get('work', '-')} | "
+                  f"{p.recompute_ms:.9g} | {load:.1f} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", default="2,8,32,80,128", help="comma-separated block counts")
@@ -419,16 +475,23 @@ def main(argv=None) -> int:
         help="plan collected trees for this many FSDP ranks (at 1 rank AdamW state dominates a 7B-shaped model)",
     )
     ap.add_argument("--user-trees", action="store_true", help="only issue 26's third-party trees (see user_trees)")
-    ap.add_argument("--only", nargs="*", help="with --user-trees: trees whose name contains one of these")
-    ap.add_argument("--cache", default=None, help="with --user-trees: a folder to keep collected trees in")
+    ap.add_argument("--only", nargs="*", help="with --user-trees / --tiny-cnns: trees whose name contains one of these")
+    ap.add_argument("--cache", default=None, help="with --user-trees / --tiny-cnns: a folder to keep collected trees in")
     ap.add_argument("--no-old", dest="old", action="store_false",
                     help="with --user-trees: skip main's path (SolverOptions(chain_dp=False)) beside the default")
+    ap.add_argument("--tiny-cnns", action="store_true",
+                    help="only issue 26.2's tiny conformance CNNs at three budgets (see TINY_CNNS; --only, --cache)")
+    ap.add_argument("--budget-names", dest="budgets_named", nargs="*",
+                    help="with --tiny-cnns: only these budgets (near-min, midway, near-peak)")
     ap.add_argument("--issue14", action="store_true", help="only issue 14's cells (see ISSUE14_CELLS)")
     ap.add_argument("--issue14-solvers", default="highs,cbc", help="solvers for --issue14")
     ap.add_argument("--issue14-dp", default="on,off", help="--issue14 with the tree DP (on) and/or without it (off)")
     args = ap.parse_args(argv)
     if args.user_trees:
         user_trees_table(args)
+        return 0
+    if args.tiny_cnns:
+        tiny_cnns_table(args)
         return 0
     if args.issue14:
         issue14(args)

@@ -77,6 +77,7 @@ from typing import Callable
 import numpy as np
 
 from sacplan.solver import limits
+from sacplan.solver.descent import improve
 from sacplan.solver.event_knapsack import COARSE_UNITS, UNITS, EventKnapsack
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import (
@@ -99,6 +100,9 @@ GOLDEN_STEPS = 60
 OUTSIDE_KIDS = 4
 #: events where sibling subtrees overlap that one chain may track exactly (each one more coordinate per state)
 MAX_TRACKED = 16
+#: points of each front's (held, requirement) staircase the incumbent pass keeps besides its cheap ones
+#: (:meth:`ChainDp.thin`; near the least feasible budget the cheap ones alone may lead to no plan at all)
+THIN_STAIR = 8
 #: state × point pairs formed at once (memory of one chunk: a few arrays of this length)
 CHUNK_PAIRS = 1_000_000
 
@@ -460,7 +464,8 @@ class ChainDp:
     def solve(self) -> tuple[np.ndarray, np.ndarray, float] | None:
         """(y, r, DP cost ms) of the cheapest plan meeting every binding event within ``tol``; None when none does.
         Two passes: a few points per front (:meth:`thin`) for an incumbent (checked exactly), then the exact
-        pass, pruned by the incumbent and the Lagrangian bound."""
+        pass, pruned by the incumbent and the Lagrangian bound; where the first guess fails, the incumbent is
+        improved (:meth:`improved`) for the later ones."""
         n = self.P.num_candidates
         if not len(self.need):  # every event holds whatever is checkpointed: checkpoint nothing
             return np.zeros(n), np.zeros(n), 0.0
@@ -471,7 +476,8 @@ class ChainDp:
         first = self.best()
         self.beam = False
         known = None if first is None else exact_check(self.P, self.budget, *first)
-        for gap in guesses:  # exact at every guess: a plan found within it is the optimum (module docstring)
+        first = None if known is None else first
+        for i, gap in enumerate(guesses):  # exact at every guess: a plan found within it is the optimum (docstring)
             guess = bound + gap * (abs(bound) + 1e-9)
             self.incumbent = guess if known is None else min(known, guess)
             self.lb_slack = 1e-9 * (1.0 + abs(self.incumbent)) + self.lam * self.tol
@@ -480,17 +486,37 @@ class ChainDp:
                 return found
             if known is not None and known <= guess:  # every other plan's bound exceeds it: it is the optimum
                 return first
+            if i == 0 and first is not None:  # the bound is not within the first guess: a better incumbent pays
+                first = self.improved(*first)
+                known = first[2]
         self.incumbent = math.inf
         return self.best()
 
+    def improved(self, y: np.ndarray, r: np.ndarray, cost: float) -> tuple[np.ndarray, np.ndarray, float]:
+        """The incumbent ``(y, r)`` (``cost`` ms, fits) after the local descent over option levels
+        (:func:`~sacplan.solver.descent.improve`: a bounded number of moves, deterministic), when that is cheaper
+        and fits in exact bytes; else as given."""
+        y2, r2 = improve(self.P, y, r, self.budget)
+        cost2 = self.P.cost(y2, r2)
+        if cost2 < cost and self.P.nesting_ok(y2) and self.P.peak(y2, r2) <= self.budget:
+            return y2, r2, cost2
+        return y, r, cost
+
     def thin(self, cost: np.ndarray, held: np.ndarray, req: np.ndarray) -> np.ndarray:
-        """The incumbent pass's few points of a front: the most held, the least required, and for multipliers
-        around ``lam`` the cheapest in ``cost - μ·held`` and in ``cost - μ·(held - req)`` (indices, ascending)."""
+        """The incumbent pass's few points of a front: the most held, the least required, for multipliers around
+        ``lam`` the cheapest in ``cost - μ·held`` and in ``cost - μ·(held - req)``, and :data:`THIN_STAIR` points
+        spread along the staircase of (held ↑, req ↓) whatever they cost, so that near the least feasible budget,
+        where a plan must hold much and require little at once, the pass still finds one (indices, ascending)."""
         pick = {int(np.argmax(held)), int(np.argmin(req))}
         for i in range(-4, 9):
             mu = self.lam * 2.0 ** i
             pick.add(int(np.argmin(cost - mu * held)))
             pick.add(int(np.argmin(cost - mu * (held - req))))
+        order = np.lexsort((cost, req, -held))  # most held first; of equal held the least required, the cheapest
+        top = np.ones(len(order), dtype=bool)
+        top[1:] = req[order[1:]] < np.minimum.accumulate(req[order])[:-1]
+        stair = order[top]
+        pick.update(stair[np.linspace(0, len(stair) - 1, min(THIN_STAIR, len(stair))).round().astype(np.int64)].tolist())
         return np.array(sorted(pick), dtype=np.int64)
 
     def best(self) -> tuple[np.ndarray, np.ndarray, float] | None:

@@ -203,16 +203,19 @@ def _front_points(
     # over its inputs, so the exact partials of every op's ms less the saved groups' ms give it
     base = _partials([op.runtime_ms for p, op in enumerate(ops) if p not in always and op.index < stop])
     terms = [[-ops[p].runtime_ms for p in g.members if ops[p].index < stop] for g in free]
+    chunks: dict[tuple[int, int], list[float]] = {}  # (byte of the mask, its value) -> the terms of its groups
+    width = (len(free) + 7) // 8
     pts = []
     for b, _, mask in front:
         d = A - (always_bytes + b)
         if d < 0:
             continue
-        xs, rest = list(base), mask
-        while rest:
-            low = rest & -rest
-            xs.extend(terms[low.bit_length() - 1])
-            rest ^= low
+        xs = list(base)
+        for c, v in enumerate(mask.to_bytes(width, "little")):  # fsum is exact: the order of its terms is free
+            if v:
+                if (c, v) not in chunks:
+                    chunks[c, v] = [x for i in range(8) if v >> i & 1 for x in terms[8 * c + i]]
+                xs.extend(chunks[c, v])
         pts.append((min(1.0, d / A), min(1.0, math.fsum(xs) / R), _Pending(mask, bool(always) or mask != 0)))
     return pts, complete
 

@@ -74,6 +74,14 @@ MAX_FRONT = 200_000
 MAX_PAIRS = 20_000_000
 #: pairs summed at once (bounds the memory of one chunk: ~(K+1)·8 bytes each)
 CHUNK_PAIRS = 1_000_000
+#: points above which :func:`pareto` with two coordinates first drops, in blocks of :data:`PREFILTER_BLOCK`,
+#: those an earlier block's staircase dominates (:func:`prefilter_2d`: the same result, without the full
+#: three-key sort of every point: the chain DP's largest sums form millions of pairs of which ~2% stay)
+PREFILTER_MIN = 8192
+PREFILTER_BLOCK = 2048
+#: points per block of :func:`pareto_2d`, and those left in a block up to which they are compared pairwise
+PARETO_BLOCK = 512
+PAIRWISE_MAX = 48
 #: float slack of the relaxation, relative to the largest byte figure summed (the exact check decides): sums of
 #: n terms err by at most ~n·2.2e-16 of it, below this for n up to thousands of candidates
 TOL_REL = 1e-12
@@ -156,6 +164,17 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
     n, K = vec.shape
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if K == 2 and n > PREFILTER_MIN:  # most points of a large 2-D sum go before the full sort
+        sub = prefilter_2d(cost, vec, spend)
+        if sub is not None:
+            return sub[pareto_sorted(cost[sub], vec[sub], spend)]
+    return pareto_sorted(cost, vec, spend)
+
+
+def pareto_sorted(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray:
+    """:func:`pareto` by its full sort (cost, then each coordinate descending, then index), without the
+    pre-filter."""
+    n, K = vec.shape
     order = np.lexsort(tuple(-vec[:, j] for j in range(K - 1, -1, -1)) + (cost,))
     v = vec[order]
     if K == 1:
@@ -180,6 +199,36 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
     return order[np.concatenate(kept)]
 
 
+def prefilter_2d(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray | None:
+    """A superset of :func:`pareto`'s points for two coordinates, cheaper than its full sort (indices ascending;
+    None: not worth it).
+
+    Points in cost order (stable: of equal costs the lower index first), block by block against the staircase
+    of every earlier block: a point goes when an earlier one has both coordinates >=, which weakly dominates it
+    (cost <=; an equal point earlier has the lower index), so :func:`pareto` drops it too; and :func:`pareto` of
+    what is left is :func:`pareto` of all (a dominated point's undominated dominator is left; the left points
+    keep their relative order, so the full sort breaks ties among them as before). The cheapest tenth (at
+    least :data:`PREFILTER_MIN` points) is sorted and filtered first: None where it loses less than half (the
+    full sort is then as cheap)."""
+    n = len(cost)
+    cut = np.partition(cost, max(PREFILTER_MIN, n // 10) - 1)[max(PREFILTER_MIN, n // 10) - 1]
+    stair = np.empty((0, 2))
+    left: list[np.ndarray] = []
+    for part, trial in ((np.nonzero(cost <= cut)[0], True), (np.nonzero(cost > cut)[0], False)):
+        part = part[np.argsort(cost[part], kind="stable")]  # the two parts in turn: the whole stable cost order
+        v = vec[part]
+        for lo in range(0, len(v), PREFILTER_BLOCK):
+            cv = v[lo:lo + PREFILTER_BLOCK]
+            if spend is not None:
+                spend(2 * (len(cv) + len(stair)))
+            ok = ~dominated_by(stair, cv)
+            left.append(part[lo:lo + PREFILTER_BLOCK][ok])
+            stair = staircase(np.concatenate([stair, cv[ok]]))
+        if trial and 2 * sum(len(x) for x in left) > len(part):
+            return None
+    return np.sort(np.concatenate(left))
+
+
 def staircase(v: np.ndarray) -> np.ndarray:
     """The 2-D maxima of points ``v`` (n × 2), v0 ascending (so v1 descending)."""
     s = v[np.lexsort((-v[:, 1], -v[:, 0]))]
@@ -199,25 +248,37 @@ def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def pareto_2d(v: np.ndarray, spend: Spend = None) -> np.ndarray:
     """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
-    has both coordinates >=. Vectorised pass: each block against the staircase of every earlier block (most
-    points go); then an exact sweep over the few left with a staircase in lists."""
-    n = len(v)
-    block = 512
+    has both coordinates >= (positions, ascending). Block by block: against the staircase of every earlier block
+    (most points go), then the few left against the earlier ones left in their block (one that the staircase
+    dominates dominates nothing the staircase does not): pairwise where few are left, else by a sweep with a
+    staircase in lists."""
     stair = np.empty((0, 2))
-    left: list[np.ndarray] = []
-    for lo in range(0, n, block):
-        cv = v[lo:lo + block]
-        if spend is not None:
-            spend(2 * (len(cv) + len(stair)))
-        left.append(np.nonzero(~dominated_by(stair, cv))[0] + lo)
-        stair = staircase(np.concatenate([stair, cv]))
-    idx = np.concatenate(left)
+    keep: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+    seen = 0  # points left so far: charged 8 units each, by started runs of 4,096 (as the one sweep was)
+    for lo in range(0, len(v), PARETO_BLOCK):
+        cv = v[lo:lo + PARETO_BLOCK]
+        left = np.nonzero(~dominated_by(stair, cv))[0]
+        if spend is not None:  # the staircase test, and a few dozen operations per point left
+            spend(2 * (len(cv) + len(stair)) + 4096 * 8 * (-(-(seen + len(left)) // 4096) - -(-seen // 4096)))
+        seen += len(left)
+        c = cv[left]
+        if len(left) <= PAIRWISE_MAX:
+            earlier = (c[None, :, 0] >= c[:, None, 0]) & (c[None, :, 1] >= c[:, None, 1])  # [i, j]: j has both >=
+            ok = np.nonzero(~np.tril(earlier, -1).any(1))[0]
+        else:
+            ok = sweep_2d(c)
+        keep.append(left[ok] + lo)
+        stair = staircase(np.concatenate([stair, c[ok]]))
+    return np.concatenate(keep)
+
+
+def sweep_2d(v: np.ndarray) -> np.ndarray:
+    """Positions of the points ``v`` (in order) that no earlier one dominates (both coordinates >=), by one
+    sweep keeping the staircase of those kept in lists."""
     xs: list[float] = []  # the kept points' staircase: xs ascending, ys descending
     ys: list[float] = []
     keep = []
-    for t, (j, a, b) in enumerate(zip(idx.tolist(), v[idx, 0].tolist(), v[idx, 1].tolist())):
-        if t % 4096 == 0 and spend is not None:
-            spend(4096 * 8)  # bisect, compare, list edits: a few dozen operations per point
+    for j, (a, b) in enumerate(zip(v[:, 0].tolist(), v[:, 1].tolist())):
         i = bisect.bisect_left(xs, a)
         if i < len(xs) and ys[i] >= b:
             continue

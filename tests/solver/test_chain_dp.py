@@ -54,6 +54,29 @@ def test_chain_dp_equals_brute_force_over_options(seed, u):
     assert tree_res is not None and tree_res.cost_ms == pytest.approx(res.cost_ms, rel=1e-9, abs=1e-9)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(seed=st.integers(0, 2**31 - 1), u=st.floats(0.0, 0.3))
+def test_incumbent_pass_and_descent_fit_and_bracket_the_optimum(seed, u):
+    """The incumbent pass's plan (a few points per front), once improved by the descent, still fits and nests,
+    costs what ``cost`` says, never more than before and never less than the brute force's optimum."""
+    case = random_budget_case(seed, u)
+    assume(case is not None and not math.isinf(case[2]))
+    tree, budget, brute, _ = case
+    P = SacProblem(tree, exact=True)
+    try:
+        dp = chain_mod.ChainDp(P, budget, None)
+        dp.multiplier()
+        dp.beam = True
+        first = dp.best()
+    except dp_mod.TreeDpGaveUp:
+        event("not a sequential chain")
+        return
+    assume(first is not None)
+    y, r, cost = dp.improved(*first)
+    assert P.peak(y, r) <= budget and P.nesting_ok(y)
+    assert brute - 1e-9 <= cost == pytest.approx(P.cost(y, r)) and cost <= first[2] + 1e-12
+
+
 @pytest.mark.parametrize("n_blocks, frac", [(4, 0.1), (4, 0.5), (8, 0.5), (8, 0.9)])
 def test_equals_tree_dp_on_identical_blocks(n_blocks, frac):
     tree = build_tree(llama_spec(n_blocks))

@@ -245,6 +245,26 @@ def _list_front(free, cap):
     return front, complete
 
 
+@pytest.mark.parametrize("step", [6e-13, 4e-13])
+def test_array_front_near_ties_in_chains(step):
+    """Groups saving ms that climb by steps under the 1e-12 tolerance (1, 1 + s, 1 + 2s, ...; more bytes each):
+    a point dropped as a near-tie lifts the running maximum above the last one kept, so the vectorised filter's
+    first guess drops points the plain scan keeps (1 + 2s at s = 6e-13); its answer is still the scan's (the
+    list DP's), and the front keeps every point 1e-12 above the one kept before it."""
+    from sacplan.solver.front import pareto_front
+
+    ops = [OpStat(index=i, name="aten.mm.default", occurrence=i, out_bytes=10 + i, runtime_ms=1.0 + i * step, flops=0,
+                  save_cost_bytes=10 + i) for i in range(8)]
+    front, free, _, complete = pareto_front(ops, cap=20000)
+    assert (front, complete) == _list_front(free, 20000)
+    singles = [m for b, m, _ in front if 10 <= b < 20]  # one group saved: bytes 10-17
+    kept = [1.0]  # by hand: each one more than 1e-12 above the last kept
+    for k in range(1, 8):
+        if 1.0 + k * step > kept[-1] + 1e-12 * kept[-1]:
+            kept.append(1.0 + k * step)
+    assert singles == kept and len(kept) == {6e-13: 4, 4e-13: 3}[step]  # 0, 2, 4, 6 steps / 0, 3, 6 steps
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     groups=st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([0.25, 0.5, 1.0, 1e-13, 3e-11, 0.1, 0.3, 0.7])), max_size=12),

@@ -151,6 +151,28 @@ def test_gives_up(monkeypatch):
     assert plan.meta["tree_dp_gave_up"].startswith("more than 1 of")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pareto_prefilter_changes_nothing(seed):
+    """Past :data:`~sacplan.solver.tree_dp.PREFILTER_MIN` two-coordinate points, :func:`pareto` first drops what an
+    earlier block dominates: the same indices in the same order as the full sort alone, ties (equal costs, equal
+    points) included; the pre-filter keeps a superset and drops most of a large sum."""
+    rng = np.random.default_rng(seed)
+    n = 3 * dp_mod.PREFILTER_MIN
+    cost = rng.integers(0, 400, n).astype(float)  # many equal costs and equal points
+    vec = rng.integers(0, 60, (n, 2)).astype(float) + cost[:, None] // 8  # dearer points tend to offer more
+    got = pareto(cost, vec)
+    with mock.patch.object(dp_mod, "PREFILTER_MIN", 10 * n):
+        want = pareto(cost, vec)
+    assert got.tolist() == want.tolist()
+    pre = dp_mod.prefilter_2d(cost, vec)
+    assert set(want.tolist()) <= set(pre.tolist()) and len(pre) < n // 2
+    assert pre.tolist() == sorted(pre.tolist())
+    # on a staircase (each point more of one coordinate, less of the other) it gives up: nothing to drop
+    x = rng.permutation(n).astype(float)
+    assert dp_mod.prefilter_2d(cost, np.column_stack([x, -x])) is None
+    assert sorted(pareto(cost, np.column_stack([x, -x])).tolist()) == list(range(n))
+
+
 def test_pareto_keeps_its_work_limit_on_large_fronts():
     """Mutually non-dominated points are the filter's worst case (quadratic in the points kept with 3 or more
     coordinates: minutes for 50,000): it must end at its work limit, not after the whole front, and at the same
