@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from sacplan.collector.runtime import local_shards
 from sacplan.pipeline.collect import pipeline_loss, rank_module
 from sacplan.pipeline.schedule import StageIO, build_schedule, rank_stages, run_schedule_step, schedule_key, stage_io
 
@@ -102,8 +103,7 @@ def measure_rank(
             rec.register(list(model.buffers()), BUFFER)
             rec.register([t for t in (*first_in, tgt) if isinstance(t, torch.Tensor)], INPUT)
             schedule_step()  # warm-up: gradients to compare, then optimizer state
-            digests = {name: hashlib.sha256(_local(p.grad).detach().numpy().tobytes()).hexdigest()
-                       for name, p in model.named_parameters() if p.grad is not None}
+            digests = {name: _digest(p.grad) for name, p in model.named_parameters() if p.grad is not None}
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec.close_segment()
@@ -150,6 +150,7 @@ def _build_rank(fns: Sequence[Callable[[], nn.Module]], key: str, num_ranks: int
     return model, mods, rank, held, par.group if par is not None else None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def _digest(grad: torch.Tensor) -> str:
+    """SHA-256 of a gradient's bytes (a DTensor's local shard), any dtype (bf16 has no numpy view)."""
+    local = local_shards(grad).detach().contiguous()
+    return hashlib.sha256(local.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
