@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from sacplan.errors import ConfigError, PlanError
+from sacplan.plancheck import check_plan_body, check_version
 from sacplan.stats import Phase
 from sacplan.units import fmt_bytes
 
@@ -321,14 +322,7 @@ class Plan:
             raise PlanError(f"a plan dict must be a mapping (Plan.to_dict()), got {type(d).__name__}")
         if d.get("schema", "sacplan.plan") != "sacplan.plan":
             raise PlanError(f"not a sacplan plan (schema {d.get('schema')!r})")
-        v = d.get("version", PLAN_SCHEMA_VERSION)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise PlanError(f"field 'version' of a plan must be an integer >= 1, got {v!r:.60}")
-        if v > PLAN_SCHEMA_VERSION:
-            raise PlanError(
-                f"plan version {d.get('version')} is newer than this sacplan supports ({PLAN_SCHEMA_VERSION}); "
-                "upgrade sacplan"
-            )
+        check_version("field 'version' of a plan", d.get("version", PLAN_SCHEMA_VERSION), PLAN_SCHEMA_VERSION)
         try:
             mfb = d.get("min_feasible_bytes")
             return cls(
@@ -498,7 +492,6 @@ def load_plan(path: Any, model: Any = None) -> Plan:
     from pathlib import Path
 
     from sacplan.errors import PlanMismatchError
-    from sacplan.plancheck import check_plan_body
 
     if not isinstance(path, (str, os.PathLike)) or str(path) == "":
         raise PlanError(f"load_plan needs the path of a plan file (str or pathlib.Path), got {type(path).__name__} {path!r:.60}")
@@ -528,14 +521,7 @@ def load_plan(path: Any, model: Any = None) -> Plan:
         return pipeline_document(doc, f"pipeline plan file {str(p)!r}")  # type: ignore[return-value]
     if not isinstance(doc, dict) or doc.get("schema") != "sacplan.plan-file":
         raise PlanError(f"{str(p)!r} is not a sacplan plan file (missing schema 'sacplan.plan-file')")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise PlanError(f"plan file {str(p)!r}: field 'version' must be an integer >= 1, got {version!r:.60}")
-    if version > PLAN_FILE_VERSION:
-        raise PlanError(
-            f"plan file {str(p)!r} has version {version}, newer than this sacplan supports ({PLAN_FILE_VERSION}); "
-            "upgrade sacplan"
-        )
+    check_version(f"plan file {str(p)!r}: field 'version'", doc.get("version"), PLAN_FILE_VERSION)
     body = doc.get("plan")
     if not isinstance(body, dict):
         raise PlanError(f"plan file {str(p)!r}: field 'plan' is missing or not an object")

@@ -44,6 +44,17 @@ def _int(name: str, v: Any, lo: int) -> None:
         raise PlanError(f"field {name!r} must be an integer >= {lo}, got {_short(v)}")
 
 
+def check_version(where: str, v: Any, newest: int) -> None:
+    """Raise :class:`PlanError` unless ``v`` is a version this sacplan reads: an integer in ``1..newest``.
+
+    ``where`` names the field in the message (``"plan file 'p.json': field 'version'"``).
+    """
+    if not _is_int(v) or v < 1:
+        raise PlanError(f"{where} must be an integer >= 1, got {_short(v)}")
+    if v > newest:
+        raise PlanError(f"{where} is {v}, newer than this sacplan supports ({newest}); upgrade sacplan")
+
+
 def _num(v: Any) -> float | None:
     """A JSON number or one of the strings ``"inf"``, ``"-inf"``, ``"nan"`` as a float; None otherwise."""
     if isinstance(v, bool):
@@ -154,10 +165,7 @@ def check_plan_body(body: dict[str, Any], resolve: Callable[[str], bool], plan_v
     _unknown_keys("'plan'", body, PLAN_KEYS)
     if body.get("schema", "sacplan.plan") != "sacplan.plan":
         raise PlanError(f"field 'plan.schema' must be 'sacplan.plan', got {_short(body.get('schema'))}")
-    v = body.get("version", plan_version)
-    _int("plan.version", v, 1)
-    if v > plan_version:
-        raise PlanError(f"field 'plan.version' is {v}, newer than this sacplan supports ({plan_version}); upgrade sacplan")
+    check_version("field 'plan.version'", body.get("version", plan_version), plan_version)
     check_decisions(body["decisions"], resolve)
     _int("plan.budget_bytes", body["budget_bytes"], 1)
     _int("plan.predicted_peak_bytes", body["predicted_peak_bytes"], 0)

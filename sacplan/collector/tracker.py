@@ -53,11 +53,16 @@ _PROFILER_OPS = frozenset(
 ) - {None}
 #: ops never offered to a selective-checkpoint policy (PyTorch skips them too), and profiler markers.
 IGNORED_OPS = frozenset(_SAC_IGNORED) | {aten.lift_fresh.default} | _PROFILER_OPS
-#: metadata queries a fake tensor answers through the dispatcher (``prim.device``, e.g. inside ``linear`` right after
-#: its bias add): no kernel and no storage, so they do not mark the "next op" a deferred peak waits for
-#: (``settle_accumulation``); on real tensors they never reach a dispatch mode, and settling at them counted the
-#: peaks the real step never has.
-_METADATA_OPS = frozenset({torch.ops.prim.device.default})
+def is_metadata_query(func: Any) -> bool:
+    """Whether ``func`` is a metadata query (``prim.device`` and the other ``prim`` ops), not a kernel.
+
+    A fake tensor answers them through the dispatcher (``prim.device``, e.g. inside ``linear`` right after its bias
+    add); on real tensors they never reach a dispatch mode. They allocate nothing and run no kernel, so they do not
+    mark the "next op" a deferred peak waits for (``settle_accumulation``: settling at them counted peaks the real
+    step never has), and they run inside an op's autograd, so they do not settle pending in-place view backwards.
+    """
+    return func.namespace == "prim"
+
 
 _VIEW_CACHE: dict[Any, tuple[bool, bool]] = {}
 #: ``TensorImpl::is_non_overlapping_and_dense`` from Python (renamed ``..._or_false`` in newer torch)
@@ -107,10 +112,10 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch ------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in _METADATA_OPS:
+        if not is_metadata_query(func):
             self.settle_accumulation()
-        if func not in IGNORED_OPS and func.namespace != "prim":  # metadata queries run inside an op's autograd
-            self.inplace_views.settle(args, kwargs)
+            if func not in IGNORED_OPS:
+                self.inplace_views.settle(args, kwargs)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
