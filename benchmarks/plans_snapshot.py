@@ -6,13 +6,15 @@ Usage::
     python3 benchmarks/plans_snapshot.py after.json      # on the new one
     python3 benchmarks/plans_snapshot.py --compare before.json after.json
     python3 benchmarks/plans_snapshot.py --conformance before.json   # also the tiny conformance models
+    python3 benchmarks/plans_snapshot.py --graph before.json         # also sac_milp on PyTorch's Graph
 
 Per tree (4 blocks; 8 blocks collected for 2 ranks) and budget (10%, 50%, 90% of the way from the minimum feasible
 budget to the no-checkpointing peak): the predicted peak (bytes), the recompute ms (9 digits) and every decision's
 module and discard ratio, plus the same budget planned for one rank (its peak, or the infeasibility message).
 With ``--conformance``, also the tiny third-party models of tests/conformance (collected on fakes, as the suite
 does), at the suite's three budgets, at gap 2% (the suite's) and at the default gap, with the default work limit (and a
-120 s wall-clock safety net).
+120 s wall-clock safety net). With ``--graph``, also ``sac_milp`` on PyTorch's ``ilp_utils.Graph`` of two Llama trees and
+12 random trees at five budgets each (the Graph adapter's path: decisions, ms, peak).
 `--compare` prints the keys that differ (saying when the recompute ms is equal: a tie broken differently) and exits 1
 if any does.
 """
@@ -43,6 +45,29 @@ def snapshot() -> dict[str, object]:
                 out[f"{kw} {f} one rank"] = solve(tree, f"{b}B", world_size=1, time_limit_s=30).predicted_peak_bytes
             except sacplan.InfeasibleBudgetError as e:
                 out[f"{kw} {f} one rank"] = str(e)
+    return out
+
+
+def graph_snapshot() -> dict[str, object]:
+    """``sac_milp`` on PyTorch's Graph (tests/solver/test_compat.py's trees, and more random ones), five budgets each."""
+    import copy
+    import random
+
+    from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
+
+    from sacplan.solver import sac_milp
+    from sacplan.testing.llama_tree import llama_tree
+    from sacplan.testing.synthetic import GiB, build_tree, random_spec
+
+    trees = [("llama2", llama_tree(2)), ("llama3", llama_tree(3, with_ops=False))]
+    trees += [(f"random{seed}", build_tree(random_spec(random.Random(seed), max_modules=8))) for seed in range(12)]
+    out: dict[str, object] = {}
+    for name, tree in trees:
+        info = tree.to_torch_module_info()
+        peak, _ = get_peak_memory_runtime_baseline(parse_module_info(copy.deepcopy(info)))
+        for frac in (0.95, 0.8, 0.6, 0.45, 0.3):
+            ratios, ms, got = sac_milp(parse_module_info(copy.deepcopy(info)), peak * frac / GiB)
+            out[f"graph {name} {frac}"] = [sorted(ratios.items()), ms, got]
     return out
 
 
@@ -81,9 +106,8 @@ def conformance_snapshot() -> dict[str, object]:
 
 def main() -> int:
     warnings.simplefilter("ignore")
-    conformance = "--conformance" in sys.argv
-    if conformance:
-        sys.argv.remove("--conformance")
+    conformance, graph = "--conformance" in sys.argv, "--graph" in sys.argv
+    sys.argv = [a for a in sys.argv if a not in ("--conformance", "--graph")]
     if sys.argv[1:2] == ["--compare"]:
         a, b = (json.load(open(p)) for p in sys.argv[2:4])
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -98,6 +122,8 @@ def main() -> int:
     out = snapshot()
     if conformance:
         out.update(conformance_snapshot())
+    if graph:
+        out.update(graph_snapshot())
     json.dump(out, open(sys.argv[1], "w"), indent=0)
     return 0
 

@@ -53,17 +53,15 @@ def tokens(dp_rank: int, batch: int, seq: int) -> torch.Tensor:
 
 def make_plan(args):
     from sacplan import collect, solve
-    from sacplan.distributed import unit_modules
     from sacplan.solver import baseline_peak, min_feasible_budget
     from sacplan.tree import ModuleTree
 
     stats = collect(lambda: PRESET.build(n_layers=args.layers), tokens(0, args.batch, args.seq), device="cpu",
                     loss_fn=PRESET.loss_fn, mesh={"dp_shard": args.dp_shard, "tp": args.tp},
                     parallelize=lambda m, mesh: parallelize(m, mesh, mixed=args.mixed))
-    tree = ModuleTree(stats)
-    units = unit_modules(stats)  # FSDP units: never checkpoint around them
-    lo, hi = min_feasible_budget(tree, fsdp_units=units), baseline_peak(tree)
-    return solve(tree, int(lo + args.budget_fraction * (hi - lo)), fsdp_units=units)
+    tree = ModuleTree(stats)  # its FSDP units (never checkpointed around) are what fully_shard was called on
+    lo, hi = min_feasible_budget(tree), baseline_peak(tree)
+    return solve(tree, int(lo + args.budget_fraction * (hi - lo)))
 
 
 def rank_main(rank: int, args, plan_dict: dict, rdzv: str) -> None:

@@ -213,7 +213,7 @@ def reference_milp_plan(
         if ratio >= 1.0 - 1e-12 or not ms.ops:
             choices[fqn] = None
             continue
-        sel = select_ops(ms.ops, max_saved_bytes_for(ratio, A), recompute_stop=ms.recompute_stop or None)
+        sel = select_ops(ms.ops, max_saved_bytes_for(ratio, A), recompute_stop=ms.recompute_stop)
         keys = op_keys(ms.ops)
         pos = {o.index: p for p, o in enumerate(ms.ops)}
         choices[fqn] = frozenset(keys[pos[i]] for i in sel.saved)

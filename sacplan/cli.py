@@ -174,9 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: solving", file=sys.stderr, flush=True)
-    from sacplan.distributed import unit_modules
-
-    plan = solve(tree, budget, solver=args.solver, fsdp_units=unit_modules(tree.stats) or None, **_limit(args))
+    plan = solve(tree, budget, solver=args.solver, **_limit(args))  # FSDP units: the stats' own (solve's default)
     cert = None
     if args.certify:
         from sacplan.solver import certify
@@ -251,10 +249,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     tree = _collect_tree(args, spec, device, knobs)
     if not args.quiet:
         print("sacplan: sweeping budgets", file=sys.stderr, flush=True)
-    from sacplan.distributed import unit_modules
-
-    result = sweep(tree, budgets, points=args.points, solver=args.solver, fsdp_units=unit_modules(tree.stats) or None,
-                   **_limit(args))
+    result = sweep(tree, budgets, points=args.points, solver=args.solver, **_limit(args))
     if args.plot:
         from sacplan.plot import plot_pareto
 

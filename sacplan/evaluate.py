@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from sacplan.devices import DeviceSpec, checkpoint_state_bytes
-from sacplan.opgroups import forced_saves, named_saves, op_groups
+from sacplan.opgroups import forced_saves, named_saves, op_groups, stop_index
 from sacplan.opnames import op_keys
 from sacplan.sacmode import region_dispatch_ms
 from sacplan.stats import ModuleStats, OpStat
@@ -83,7 +83,7 @@ def module_outcome(stats: ModuleStats, choice: Choice, device: DeviceSpec | None
     """
     ops = stats.ops
     keys = op_keys(ops)
-    stop = stats.recompute_stop
+    stop = stop_index(ops, stats.recompute_stop)
     raw = _raw_kept(stats)
     saved_pos: set[int] = set()
     for g in op_groups(ops, False, stop):

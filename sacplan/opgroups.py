@@ -55,8 +55,10 @@ def stop_index(ops: Sequence[OpStat], recompute_stop: int | None) -> int:
     return (max((op.index for op in ops), default=-1) + 1) if recompute_stop is None else int(recompute_stop)
 
 
-def op_groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> list[OpGroup]:
-    """Every group of ``ops`` (in order of their first op), forced or free; see the module docstring."""
+def op_groups(ops: Sequence[OpStat], force_store_random: bool, recompute_stop: int | None) -> list[OpGroup]:
+    """Every group of ``ops`` (in order of their first op), forced or free; see the module docstring. Their ms and
+    FLOPs count the ops before ``recompute_stop`` (None: every op, :func:`stop_index`)."""
+    stop = stop_index(ops, recompute_stop)
     n = len(ops)
     pos = {op.index: p for p, op in enumerate(ops)}
     parent = list(range(n))
@@ -128,7 +130,7 @@ def op_groups(ops: Sequence[OpStat], force_store_random: bool, stop: int) -> lis
 
 
 def split_groups(
-    ops: Sequence[OpStat], force_store_random: bool, stop: int
+    ops: Sequence[OpStat], force_store_random: bool, stop: int | None
 ) -> tuple[list[OpGroup], list[OpGroup], list[OpGroup]]:
     """The groups as every selection treats them: ``(always saved, free to choose, never saved)``.
 
@@ -146,7 +148,16 @@ def split_groups(
     return always, free, never
 
 
-def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int], ...] | None:
+def fill_order(free: Sequence[OpGroup]) -> list[int]:
+    """The greedy fill's order of the free groups (indices into ``free``): fewest bytes per ms (most ms per byte)
+    first; ties: the later group first. The one greedy order: saving a prefix of it is the knapsack's LP relaxation
+    at that prefix's bytes (:class:`~sacplan.solver.knapsack.GreedyFill`), and giving it up from its end (most bytes
+    per ms first, ties: the earlier group first) traces the trade-off's greedy vertices
+    (:func:`~sacplan.tradeoff.greedy_vertices`), so every vertex is a fill that ends on a whole group."""
+    return sorted(range(len(free)), key=lambda i: (-free[i].bytes / free[i].ms, free[i].members[0]))[::-1]
+
+
+def forced_saves(ops: Sequence[OpStat], stop: int | None) -> tuple[tuple[int, str, int], ...] | None:
     """``(index, name, occurrence)`` of the ops every save list keeps, when a plain checkpoint would not keep
     them: ``None`` unless an op reads an outside storage that is overwritten later (``tied_to`` holds ``-1``).
 
@@ -156,7 +167,9 @@ def forced_saves(ops: Sequence[OpStat], stop: int) -> tuple[tuple[int, str, int]
     return _saves(ops, op_groups(ops, False, stop), set()) if _has_forced_readers(ops) else None
 
 
-def named_saves(ops: Sequence[OpStat], stop: int, keys: Collection[tuple[str, int]]) -> tuple[tuple[int, str, int], ...]:
+def named_saves(
+    ops: Sequence[OpStat], stop: int | None, keys: Collection[tuple[str, int]]
+) -> tuple[tuple[int, str, int], ...]:
     """``(index, name, occurrence)`` of the ops a save list of ``(family, occurrence)`` keys saves: every group
     with a named member, whole (a group saved in part is not safe), and :func:`forced_saves`; groups holding a
     view are never saved."""

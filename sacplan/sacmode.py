@@ -45,5 +45,5 @@ def dispatch_ms(stats: ModuleStats, device: DeviceSpec) -> float:
     """Host ms the selective mode adds to one call of the module: its forward's ops and the ops its recomputation
     re-runs (up to the early stop), each at ``device.sac_dispatch_ms``."""
     ops = stats.ops
-    stop = stop_index(ops, stats.recompute_stop or None)
+    stop = stop_index(ops, stats.recompute_stop)
     return float(device.sac_dispatch_ms or 0.0) * (len(ops) + sum(1 for op in ops if op.index < stop))

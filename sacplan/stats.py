@@ -236,7 +236,9 @@ class ModuleStats:
         snapshots: per call, ``{name: MemSnapshot}`` for the names in :data:`SNAPSHOTS`.
         ops: the first call's forward ops (see :class:`OpStat`).
         recompute_stop: recomputation of this module under non-reentrant checkpoint (early stop on)
-            runs ops ``0 .. recompute_stop - 1`` only.
+            runs ops ``0 .. recompute_stop - 1`` only (0: none, its forward packed nothing, so nothing is ever
+            re-run); ``None``: no early stop, every op may be re-run (stats that do not say). The one encoding of
+            "no stop" (:func:`sacplan.opgroups.stop_index` reads it).
         tradeoff: the recompute trade-off of one call; ``None`` when nothing can be discarded.
     """
 
@@ -261,7 +263,7 @@ class ModuleStats:
     bw_flops: tuple[int, ...]
     snapshots: tuple[Mapping[str, MemSnapshot], ...]
     ops: tuple[OpStat, ...] = ()
-    recompute_stop: int = 0
+    recompute_stop: int | None = None
     tradeoff: TradeOff | None = None
     held_input_bytes: tuple[int, ...] = ()
     input_external_bytes: int = 0

@@ -8,7 +8,8 @@ Given a module call's ops (:class:`~sacplan.stats.OpStat`), the activation bytes
 2. fixes the groups with no choice: views (free to recompute), groups that modify a tensor from outside
    the module (always saved), groups that cost no bytes to save (always saved) and groups that cost no
    time (always recomputed);
-3. takes the remaining groups in decreasing bytes-per-millisecond order (the greedy order) — each step
+3. gives the remaining groups up in the greedy fill's order from its end (least ms per byte first,
+   :func:`~sacplan.opgroups.fill_order`) — each step
    discards more bytes for more recompute time, with non-decreasing ms per byte, so the vertices lie on a
    convex curve;
 4. represents the *achievable* cost as a convex piecewise-linear upper bound (a max of lines) in
@@ -28,14 +29,14 @@ import math
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-from sacplan.opgroups import op_groups
+from sacplan.opgroups import fill_order, split_groups, stop_index
 from sacplan.stats import OpStat, TradeOff
 
 #: Default cap on lines per module before the curve is simplified to chords of its biggest bends.
 DEFAULT_MAX_LINES = 8
 
 
-def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop: int) -> int:
+def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop: int | None) -> int:
     """Bytes a selective recomputation of one call peaks above a full one's (0 if it does not).
 
     A full recomputation re-runs ops ``0 .. recompute_stop - 1`` and holds at most what the forward held among
@@ -43,10 +44,11 @@ def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop:
     forward held each only from the op that made it: while op ``t`` re-runs, the forward's live bytes plus the
     saved bytes made after ``t``. With ``b_t`` = :attr:`~sacplan.stats.OpStat.below_peak_bytes` and ``K_t`` the
     saved bytes after ``t``: ``max(0, max_t (K_t - b_t) - max_t (-b_t))`` over ``t < recompute_stop``.
-    0 for a full checkpoint (nothing saved) and when the ops carry no live figures.
+    0 for a full checkpoint (nothing saved), for a stop at 0 (nothing re-run) and when the ops carry no live
+    figures; ``recompute_stop`` None: no early stop (:func:`~sacplan.opgroups.stop_index`).
     """
     keep = set(saved)
-    stop = max(0, min(recompute_stop, len(ops)))
+    stop = max(0, min(stop_index(ops, recompute_stop), len(ops)))
     if not keep or stop == 0 or any(o.below_peak_bytes is None for o in ops[:stop]):
         return 0
     after = sum(o.save_cost_bytes for o in ops[stop:] if o.index in keep)  # held from the start too
@@ -59,42 +61,35 @@ def recompute_surge(ops: Sequence[OpStat], saved: Iterable[int], recompute_stop:
     return max(0, int(with_saved - full))
 
 
-def greedy_vertices(ops: Sequence[OpStat], act_bytes: int, recompute_stop: int) -> tuple[list[tuple[int, float, int]], int]:
-    """Greedy plans of one module call.
+def greedy_vertices(
+    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int | None
+) -> tuple[list[tuple[int, float, int]], int]:
+    """Greedy plans of one module call: the free groups (:func:`~sacplan.opgroups.split_groups`) given up one at a
+    time from the end of the greedy fill's order (:func:`~sacplan.opgroups.fill_order`: least ms per byte first).
 
     Returns:
         ``(vertices, mandatory_bytes)`` where each vertex is ``(discard_bytes, recompute_ms, recompute_flops)``
         in greedy order (first: every choosable group saved; last: only mandatory groups saved), and
         ``mandatory_bytes`` is what must be saved whatever the plan.
     """
-
-    base_ms = 0.0
-    base_flops = 0
-    mandatory = 0
-    candidates: list[tuple[int, float, int, int]] = []  # (bytes, ms, flops, head)
-    for g in op_groups(ops, False, recompute_stop):
-        if g.fixed == 0 or (g.fixed is None and g.bytes > 0 and g.ms <= 0.0):
-            base_ms += g.ms  # always recomputed: views (and what is tied to them), or no time to save by keeping it
-            base_flops += g.flops
-        elif g.fixed == 1 or g.bytes == 0:
-            mandatory += g.bytes  # saved in every plan (in-place on an outside tensor; bytes 0: saving is free)
-        else:
-            candidates.append((g.bytes, g.ms, g.flops, g.members[0]))
-    # Greedy: most bytes per ms first; ties by position for determinism.
-    candidates.sort(key=lambda c: (-c[0] / c[1], c[3]))
-    kept = mandatory + sum(c[0] for c in candidates)
-    ms, fl = base_ms, base_flops
+    always, free, never = split_groups(ops, False, recompute_stop)
+    mandatory = sum(g.bytes for g in always)  # saved in every plan (in-place on an outside tensor; saving is free)
+    ms, fl = 0.0, 0
+    for g in never:  # recomputed in every plan: views (and what is tied to them), groups that save no time
+        ms += g.ms  # (added in turn, as the vertices below are: sum() compensates on Python >= 3.12)
+        fl += g.flops
+    kept = mandatory + sum(g.bytes for g in free)
     vertices = [(act_bytes - kept, ms, fl)]
-    for cost, cms, cfl, _ in candidates:
-        kept -= cost
-        ms += cms
-        fl += cfl
+    for i in reversed(fill_order(free)):
+        kept -= free[i].bytes
+        ms += free[i].ms
+        fl += free[i].flops
         vertices.append((act_bytes - kept, ms, fl))
     return vertices, mandatory
 
 
 def build_tradeoff(
-    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int, max_lines: int = DEFAULT_MAX_LINES
+    ops: Sequence[OpStat], act_bytes: int, recompute_stop: int | None, max_lines: int = DEFAULT_MAX_LINES
 ) -> TradeOff | None:
     """The :class:`TradeOff` of one module call, or ``None`` when checkpointing it cannot free anything."""
     if act_bytes <= 0 or not ops:
@@ -138,16 +133,23 @@ def staircase(points: Sequence[tuple[float, float]], r: float) -> float:
     return float("inf")
 
 
-@lru_cache(maxsize=4096)
-def _upper_lines(points: tuple[tuple[float, float], ...], max_lines: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    slopes = [0.0]
-    intercepts = [points[0][1]]
+def segment_lines(points: Sequence[tuple[float, float]], corner: bool = False) -> tuple[list[float], list[float]]:
+    """Slope and intercept of the line of each segment of ``points`` (those wider than 1e-15 in ``r``): its chord, or
+    with ``corner`` the chord raised to pass through the staircase corner ``(r_{k-1}, q_k)``."""
+    slopes, intercepts = [], []
     for (r0, q0), (r1, q1) in zip(points, points[1:]):
         if r1 - r0 <= 1e-15:
             continue
         s = (q1 - q0) / (r1 - r0)
         slopes.append(s)
-        intercepts.append(q1 - s * r0)
+        intercepts.append((q1 if corner else q0) - s * r0)
+    return slopes, intercepts
+
+
+@lru_cache(maxsize=4096)
+def _upper_lines(points: tuple[tuple[float, float], ...], max_lines: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    slopes, intercepts = segment_lines(points, corner=True)
+    slopes, intercepts = [0.0] + slopes, [points[0][1]] + intercepts
     if len(slopes) > max_lines:
         slopes, intercepts = _fit_fewer(points, max_lines)
     return tuple(float(s) for s in slopes), tuple(float(b) for b in intercepts)

@@ -203,13 +203,12 @@ def load_pipeline_plan(path: Any) -> PipelinePlan:
 def solve_pipeline(stats: Sequence[ModelStats], budget: Any, **solve_kw: Any) -> PipelinePlan:
     """Plan every rank: ``sacplan.solve(ModuleTree(stats[r]), budget[r])`` (one budget for all ranks, or one per
     rank; same forms as ``solve``'s). ``solve_kw`` go to every ``solve``; ``fsdp_units`` defaults to each rank's
-    own ``fully_shard`` units when it was collected on a mesh.
+    own ``fully_shard`` units when it was collected on a mesh (``solve``'s default).
 
     Raises:
         ConfigError: stats not from :func:`~sacplan.pipeline.collect_pipeline`, or budgets not one per rank.
         InfeasibleBudgetError: a rank cannot meet its budget (the message names the rank).
     """
-    from sacplan.distributed import unit_modules
     from sacplan.errors import InfeasibleBudgetError
     from sacplan.solver import solve
     from sacplan.tree import ModuleTree
@@ -222,11 +221,8 @@ def solve_pipeline(stats: Sequence[ModelStats], budget: Any, **solve_kw: Any) ->
         raise ConfigError(f"{len(budgets)} budgets for {len(stats)} ranks: give one budget, or one per rank")
     plans = []
     for r, (s, b) in enumerate(zip(stats, budgets)):
-        kw = dict(solve_kw)
-        if "fsdp_units" not in kw:  # a rank collected on a mesh: its fully_shard units, as plan for one rank
-            kw["fsdp_units"] = unit_modules(s) or None
-        try:
-            plans.append(solve(ModuleTree(s), b, **kw))
+        try:  # fsdp_units by default: the rank's own fully_shard units (solve's default)
+            plans.append(solve(ModuleTree(s), b, **solve_kw))
         except InfeasibleBudgetError as e:
             raise InfeasibleBudgetError(e.budget_bytes, e.min_feasible_bytes, f"(pipeline rank {r} of {len(stats)})") from e
     info = infos[0]

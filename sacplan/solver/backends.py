@@ -44,12 +44,7 @@ def check_solver(name: str) -> str:
         # HiGHS when installed (the [highs] / [test] extras): it proves the symmetric many-block MILPs that CBC
         # cannot close in minutes (Llama-70B, 80 blocks, 401 units: HiGHS 9 s; CBC still at a 1.3e-4 gap after
         # 120 s even when handed the optimum); else CBC, which PuLP bundles.
-        try:
-            import highspy  # noqa: F401
-
-            return "highs"
-        except ImportError:
-            key = "cbc"
+        key = "highs" if _has_highs() else "cbc"
     if key in ("cbc", "pulp", "pulp_cbc", "coin"):
         try:
             import pulp  # noqa: F401
@@ -62,10 +57,8 @@ def check_solver(name: str) -> str:
             )
         return "cbc"
     if key in ("highs", "highspy"):
-        try:
-            import highspy  # noqa: F401
-        except ImportError as e:
-            raise SolverError("solver 'highs' needs highspy: pip install highspy") from e
+        if not _has_highs():
+            raise SolverError("solver 'highs' needs highspy: pip install highspy")
         return "highs"
     raise SolverError(
         f"unknown solver {name!r}: use 'auto' (HiGHS if installed, else CBC), 'cbc' (pip install pulp, which "
@@ -140,9 +133,7 @@ def _run(
                 res = solve_cbc(model, dataclasses.replace(run, warm_start=None), None, options)
                 return dataclasses.replace(res, log=f"CBC retried without warm start/priorities after: {first}\n" + res.log)
             except SolverError:
-                try:
-                    import highspy  # noqa: F401
-                except ImportError:
+                if not _has_highs():
                     raise first from None
                 res = solve_highs(model, run)
                 return dataclasses.replace(res, log=f"CBC failed ({first}); solved with HiGHS\n" + res.log)
@@ -155,12 +146,16 @@ def lp_solver(solver: str) -> str:
     """Auxiliary problems (the heuristic's LPs, op-level knapsacks) run in-process with HiGHS when highspy is
     installed (a CBC call costs a subprocess and an MPS file each); the module-level MILP always runs on
     the solver asked for."""
+    return "highs" if _has_highs() else solver
+
+
+def _has_highs() -> bool:
+    """Whether highspy (HiGHS) can be imported."""
     try:
         import highspy  # noqa: F401
-
-        return "highs"
-    except ImportError:  # pragma: no cover - depends on the environment
-        return solver
+    except ImportError:
+        return False
+    return True
 
 
 # -- CBC -----------------------------------------------------------------------------------------------------------

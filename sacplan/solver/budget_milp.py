@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from sacplan.solver import limits
-from sacplan.solver.backends import lp_solver, solve_model
+from sacplan.solver.backends import solve_model
 from sacplan.solver.formulation import MilpIndex, columns_for, decision_from
 from sacplan.solver.count_branching import prove_by_lp_branching
 from sacplan.solver.model import (
@@ -113,10 +113,7 @@ def prove_or_search(
     branch-and-bound, those columns branched on first (smaller priority first). ``root_bound``: the LP
     relaxation's objective when known (ms). Returns the result and whether the LP bounds proved it."""
     proven = prove_by_lp_branching(
-        model, warm, list(priorities), gap_rel=opts.gap_rel, root_bound=root_bound,
-        solve_lp=lambda lp: solve_model(lp, lp_solver(opts.backend)),
-        solver_name=opts.backend,
-    )
+        model, warm, list(priorities), gap_rel=opts.gap_rel, root_bound=root_bound, backend=opts.backend)
     if proven is not None:
         return proven, True
     # CBC preprocessing has cut off optima at budgets met with equality (see _exact_in_bytes)

@@ -207,7 +207,7 @@ def relaxed_candidate(tree: ModuleTree, c: Candidate) -> Candidate:
     st = tree.nodes[c.node].stats
     if not st.ops or c.recompute_ms <= 0:
         return c
-    sl, ic = fractional_lines(st.ops, c.max_discard_bytes, c.recompute_ms, recompute_stop=st.recompute_stop or None)
+    sl, ic = fractional_lines(st.ops, c.max_discard_bytes, c.recompute_ms, recompute_stop=st.recompute_stop)
     env = envelope(sl, ic)
     return dataclasses.replace(c, slopes=env[0], intercepts=env[1])
 

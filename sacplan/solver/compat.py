@@ -36,7 +36,7 @@ from sacplan.errors import ConfigError, InfeasibleBudgetError
 from sacplan.solver import limits
 from sacplan.solver.budget_milp import solve_budget_milp
 from sacplan.solver.candidates import Candidate
-from sacplan.solver.formulation import build_budget_model, decision_from, running_columns
+from sacplan.solver.formulation import build_budget_model, decision_from
 from sacplan.solver.limits import DEFAULT_SOLVE_S
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.problem import SacProblem
@@ -100,7 +100,7 @@ def sac_milp(
                 budget,
                 world_size=world_size,
                 ac_units=list(ac_units) if ac_units is not None else None,
-                fsdp_units=list(fsdp_units) if fsdp_units is not None else None,
+                fsdp_units=list(fsdp_units or ()),  # PyTorch's None: no FSDP units (solve's None: the stats' own)
                 options=opts.replace(op_level=False),
             )
         except InfeasibleBudgetError:
@@ -132,13 +132,10 @@ def _graph_milp(
         return {}, 0.0, int(math.ceil(problem.baseline_peak() - 1e-6))
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget:
         return {}, 0, -1
-    model, idx, trivially_infeasible = build_budget_model(problem, float(budget))
+    # the reference's a_i >= 0 as caps on the running sum F: what is discarded so far never exceeds what exists
+    model, idx, trivially_infeasible = build_budget_model(problem, float(budget), caps)
     if trivially_infeasible:
         return {}, 0, -1
-    cols = running_columns(problem, model, idx, "C", list(caps), {}, forward=True)
-    for kc, col in cols.items():  # the reference's a_i >= 0: what is discarded so far never exceeds what exists
-        model.col_ub[col] = caps[kc] / GiB
-    idx.F.extend(cols.items())
     res = solve_budget_milp(problem, model, idx, float(budget), opts).result
     if res.x is None:
         return {}, 0, -1

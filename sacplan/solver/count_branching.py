@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from sacplan.solver import backends, limits, progress
 from sacplan.solver.model import (
@@ -48,15 +48,15 @@ def prove_by_lp_branching(
     *,
     gap_rel: float,
     gap_abs: float = 1e-9,
-    solve_lp: Callable[[MilpModel], SolveResult],
+    backend: str,
     root_bound: float | None = None,
     max_nodes: int = 16,
-    solver_name: str = "",
 ) -> SolveResult | None:
     """Try to prove ``incumbent`` optimal within the gap with LP relaxations alone, branching only on
     ``branch_cols`` (integer count columns): a node is closed when its LP bound reaches the incumbent. Returns
     an OPTIMAL result with the proven bound, or None when a node's LP is integral in those columns but still
-    below the incumbent, or after ``max_nodes`` LPs (each solved by ``solve_lp``): the MILP solver then takes over.
+    below the incumbent, or after ``max_nodes`` LPs (each solved by ``backend``'s LP solver): the MILP solver then
+    takes over.
     Exact: nothing is assumed about the solution beyond the LP bounds.
     """
     if incumbent is None:
@@ -77,7 +77,7 @@ def prove_by_lp_branching(
                 continue
         if nodes >= max_nodes:
             return None
-        res = solve_lp(relaxed(with_bounds(model, lb, ub)))
+        res = backends.solve_model(relaxed(with_bounds(model, lb, ub)), backends.lp_solver(backend))
         nodes += 1
         if res.status == INFEASIBLE:
             continue
@@ -92,7 +92,7 @@ def prove_by_lp_branching(
         stack += _branch(lb, ub, frac, res.x[frac], res.objective)
     bound = min([best] + closed)
     return SolveResult(
-        OPTIMAL, list(incumbent), best, bound, relative_gap(best, bound), time.perf_counter() - t0, solver_name,
+        OPTIMAL, list(incumbent), best, bound, relative_gap(best, bound), time.perf_counter() - t0, backend,
         f"optimal (incumbent meets the LP bounds of {nodes} count node(s))",
     )
 

@@ -7,9 +7,9 @@ The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
   :class:`MilpIndex` naming the columns of each candidate;
 * :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
   :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation;
-* :func:`running_columns`, the running sums of discards (also the PyTorch Graph adapter's caps,
-  :mod:`sacplan.solver.compat`); the candidates' rows (ratios, trade-off lines, nesting, counts) are private to the
-  models built here.
+* the running sums of discards (:func:`_running_columns`; bounded above where the PyTorch Graph adapter caps them,
+  :mod:`sacplan.solver.compat`) and the candidates' rows (ratios, trade-off lines, nesting, counts) are private to
+  the models built here.
 
 The model
 ---------
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -83,9 +83,13 @@ class MilpIndex:
     kept_events: int = 0
 
 
-def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, MilpIndex, bool]:
-    """The budget MILP (minimise recompute ms). Returns (model, index, trivially_infeasible)."""
-    model, idx, (fw, bw, rc, other, mixed), (Fcol, Gcol) = _event_model(problem, budget)
+def build_budget_model(
+    problem: SacProblem, budget: float, caps: Mapping[int, float] | None = None
+) -> tuple[MilpModel, MilpIndex, bool]:
+    """The budget MILP (minimise recompute ms). ``caps``: upper bounds (bytes) on the forward running sum ``F`` at
+    these candidate-entry counts (the PyTorch Graph adapter's ``a_i ≥ 0``, :mod:`sacplan.solver.compat`).
+    Returns (model, index, trivially_infeasible)."""
+    model, idx, (fw, bw, rc, other, mixed), (Fcol, Gcol) = _event_model(problem, budget, caps or {})
     infeasible = other > 0 or any(kc == 0 and nd > 0 for kc, nd in fw) or any(
         kc == len(problem.bw_slot) and nd > 0 for kc, nd in bw
     )
@@ -100,7 +104,7 @@ def build_budget_model(problem: SacProblem, budget: float) -> tuple[MilpModel, M
 
 def build_min_peak_model(problem: SacProblem) -> tuple[MilpModel, MilpIndex]:
     """The MILP minimising the predicted peak P (GiB) under the same structural constraints."""
-    model, idx, (fw, bw, rc, _, mixed), (Fcol, Gcol) = _event_model(problem, None)
+    model, idx, (fw, bw, rc, _, mixed), (Fcol, Gcol) = _event_model(problem, None, {})
     for j, (kf, kb, terms, base, ss) in enumerate(mixed):
         ind, val = _mixed_row(problem, idx, Fcol, Gcol, kf, kb, terms, ss)
         model.add_row(f"pm{j}_{kf}_{kb}", ind + [idx.P], val + [1.0], lb=base / GiB)
@@ -114,10 +118,13 @@ def build_min_peak_model(problem: SacProblem) -> tuple[MilpModel, MilpIndex]:
     return model, idx
 
 
-def _event_model(problem: SacProblem, budget: float | None) -> tuple[MilpModel, MilpIndex, tuple, tuple]:
+def _event_model(
+    problem: SacProblem, budget: float | None, caps: Mapping[int, float]
+) -> tuple[MilpModel, MilpIndex, tuple, tuple]:
     """The columns both models share: the candidates' (:func:`_base_columns`; with costs at a ``budget``), the peak
-    ``P`` (min-peak model, ``budget`` None) and the running sums the kept events read. Returns the model, its
-    index, the kept events ``(fw, bw, rc, other, mixed)`` (needs in bytes) and the running-sum columns."""
+    ``P`` (min-peak model, ``budget`` None) and the running sums the kept events read (``F`` also where ``caps``
+    bound it, bytes). Returns the model, its index, the kept events ``(fw, bw, rc, other, mixed)`` (needs in bytes)
+    and the running-sum columns."""
     fw, bw, rc, other, pruned = _select_events(problem, budget)
     mixed = _select_mixed(problem, budget)
     model = MilpModel(name="sacplan_sac" if budget is not None else "sacplan_minpeak")
@@ -126,13 +133,13 @@ def _event_model(problem: SacProblem, budget: float | None) -> tuple[MilpModel, 
     if budget is None:
         idx.P = model.add_col("P", max(0.0, other / GiB if other > -math.inf else 0.0), math.inf, False, 1.0)
     lbs = ({kc: nd / GiB for kc, nd in fw}, {kc: nd / GiB for kc, nd in bw}) if budget is not None else ({}, {})
-    Fcol = running_columns(problem, model, idx, "F", [kc for kc, _ in fw] + [kf for kf, *_ in mixed], lbs[0],
-                           forward=True)
+    Fcol = _running_columns(problem, model, idx, "F", [kc for kc, _ in fw] + [kf for kf, *_ in mixed] + list(caps),
+                           lbs[0], forward=True, ub={kc: v / GiB for kc, v in caps.items()})
     idx.F.extend(Fcol.items())
-    Gcol = running_columns(
+    Gcol = _running_columns(
         problem, model, idx, "G",
         [kc for kc, _ in bw] + [kc for kc, *_ in rc] + [kb for _, kb, *_ in mixed] + ([0] if mixed else []), lbs[1],
-        forward=False)
+        forward=False, ub={})
     idx.G.extend(Gcol.items())
     return model, idx, (fw, bw, rc, other, mixed), (Fcol, Gcol)
 
@@ -412,19 +419,20 @@ def _count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) 
     return k
 
 
-def running_columns(
+def _running_columns(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, name: str, kcs: Sequence[int], lb: dict[int, float],
-    forward: bool,
+    forward: bool, ub: Mapping[int, float],
 ) -> dict[int, int]:
     """One running sum's columns ``S_kc = S_prev + Σ (A·r - o·y)/GiB`` over the candidate entries between:
     forward (``F``), entries ``< kc`` of ``fw_post_order`` with ``kc`` ascending; backward (``G``), entries
-    ``>= kc`` of ``bw_pre_order`` with ``kc`` descending. Returns ``{kc: column}`` in that order."""
+    ``>= kc`` of ``bw_pre_order`` with ``kc`` descending; bounded by ``lb`` and ``ub`` (GiB) where they name
+    ``kc``. Returns ``{kc: column}`` in that order."""
     slot, amt, over = (problem.fw_slot, problem.fw_amt, problem.fw_over) if forward else (
         problem.bw_slot, problem.bw_amt, problem.bw_over)
     cols: dict[int, int] = {}
     prev_col, prev_kc = -1, (0 if forward else len(slot))
     for kc in sorted(set(kcs), reverse=not forward):
-        col = model.add_col(f"{name}{kc}", lb.get(kc, -math.inf), math.inf)
+        col = model.add_col(f"{name}{kc}", lb.get(kc, -math.inf), ub.get(kc, math.inf))
         ind, val = [col], [1.0]
         if prev_col >= 0:
             ind.append(prev_col)

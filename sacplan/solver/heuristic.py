@@ -63,12 +63,12 @@ def _heuristic(
     best: tuple[float, np.ndarray, np.ndarray] | None = None
 
     def units() -> Iterator[np.ndarray]:
-        # Candidate roundings: thresholds on the LP's y; resolve nesting conflicts keeping the larger y.
+        # Candidate roundings: thresholds on the LP's y; nesting conflicts resolved by keeping the outermost unit.
         for thr in (1e-6, 0.25, 0.5, 0.75):
             if best is not None and left is not None and time.monotonic() - t0 >= left:
                 limits.stopped(limits.WALL_CLOCK, "heuristic")  # safety net: a plan in hand, the clock spent
                 return
-            yield _unnest(problem, (yl > thr).astype(float), yl)
+            yield _unnest(problem, (yl > thr).astype(float))
         if best is None:  # none fits (the LP spread y over nested chains): the units of a min-peak plan
             try:
                 yield solve_min_peak(problem, opts.replace(solver=solver), node_limit=FIRST_PLAN_NODES)[1]
@@ -98,21 +98,11 @@ def _heuristic(
     return (best[1], best[2]), lp_bound
 
 
-def _unnest(problem: SacProblem, y: np.ndarray, score: np.ndarray) -> np.ndarray:
-    """Keep, along every candidate chain, only the outermost flagged node (its flagged descendants are
-    dropped; ``score`` only orders the walk)."""
-    y = y.copy()
-    for s in sorted(range(problem.num_candidates), key=lambda s: (-score[s], s)):
-        if y[s] < 0.5:
-            continue
-        if any(y[p] > 0.5 for p in problem.ancestors(s)):
-            y[s] = 0.0
-            continue
-        t = s + 1  # clear chosen descendants: slots are in pre-order, so they follow s contiguously
-        while t < problem.num_candidates and s in problem.ancestors(t):
-            y[t] = 0.0
-            t += 1
-    return y
+def _unnest(problem: SacProblem, y: np.ndarray) -> np.ndarray:
+    """Keep, along every candidate chain, only the outermost flagged node: a flagged node with a flagged ancestor is
+    dropped (the outermost flagged node of a chain has none, so the result does not depend on any walk order)."""
+    return np.array([0.0 if any(y[p] > 0.5 for p in problem.ancestors(s)) else y[s]
+                     for s in range(problem.num_candidates)])
 
 
 def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.ndarray) -> np.ndarray:

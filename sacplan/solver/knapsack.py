@@ -22,8 +22,9 @@ from typing import Sequence
 import numpy as np
 
 from sacplan.errors import InfeasibleBudgetError
+from sacplan.solver import limits
 from sacplan.solver.backends import solve_model
-from sacplan.opgroups import OpGroup
+from sacplan.opgroups import OpGroup, fill_order
 from sacplan.solver.model import OPTIMAL, MilpModel
 from sacplan.stats import OpStat
 
@@ -37,17 +38,15 @@ class OpSelection:
         saved_bytes: ``Σ save_cost_bytes`` of the saved ops.
         recompute_ms: runtime of the recomputed ops with index < ``recompute_stop``.
         recompute_flops: FLOPs of those ops.
-        solved: True when an MILP solve was needed (False: trivial or greedy-optimal).
     """
 
     saved: tuple[int, ...]
     saved_bytes: int
     recompute_ms: float
     recompute_flops: int
-    solved: bool = False
 
 
-def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: bool) -> OpSelection:
+def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int) -> OpSelection:
     """The :class:`OpSelection` saving the ops at positions ``saved_pos`` of ``ops`` (priced with ``math.fsum``
     over the recomputed ops before ``stop``)."""
     saved = tuple(sorted(ops[p].index for p in saved_pos))
@@ -58,7 +57,6 @@ def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: 
         saved_bytes=sb,
         recompute_ms=math.fsum(op.runtime_ms for op in rec),
         recompute_flops=int(sum(op.flops for op in rec)),
-        solved=solved,
     )
 
 
@@ -67,22 +65,25 @@ def selection_of(ops: Sequence[OpStat], saved_pos: set[int], stop: int, solved: 
 KNAPSACK_NODES = 10_000
 
 
-def knapsack(fill: "GreedyFill", cap: int, solver: str, milp: bool = True) -> tuple[OpSelection, float]:
+def knapsack(fill: "GreedyFill", cap: int, solver: str, safety_net: str | None = None) -> tuple[OpSelection, float]:
     """The 0/1 knapsack of :func:`~sacplan.solver.ops.select_ops` at ``cap`` saved bytes, over the split that
-    ``fill`` holds (:func:`~sacplan.opgroups.split_groups`).
+    ``fill`` holds (:func:`~sacplan.opgroups.split_groups`). ``safety_net``: the part to record when the call's
+    wall-clock safety net has fired (:func:`~sacplan.solver.limits.past_deadline`): then the greedy fill is
+    returned (None: always solved exactly).
 
-    Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (``milp=False``
-    and the greedy fill was fractional) the ms per call the knapsack's LP relaxation saves beyond the greedy
-    fill returned — no save list under ``cap`` recomputes less than ``selection.recompute_ms - slack_ms``."""
+    Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (the safety net
+    fired, or the MILP stopped, and the greedy fill was fractional) the ms per call the knapsack's LP relaxation
+    saves beyond the selection returned — no save list under ``cap`` recomputes less than
+    ``selection.recompute_ms - slack_ms``."""
     # LP relaxation of the knapsack: take groups by ms per byte; integral => optimal. A fill that uses the room
     # exactly is integral too (the next group's fraction is 0): the trade-off's greedy vertices are such fills,
     # so module_options needs no MILP for them (Mistral-7B's decoder stack: 989 of its 991 sampled ratios).
-    sel, slack = fill(cap)
-    if slack <= 0 or not milp:
-        return sel, slack
+    mask, slack = fill.take(cap)
+    if slack <= 0 or (safety_net is not None and limits.past_deadline(safety_net)):
+        return fill.selection(mask), slack
     # Exact 0/1 knapsack by MILP over the groups that fit (in op order); the greedy fill is a feasible warm start.
     room = cap - fill.used
-    take = fill.taken(cap)  # in density order, as the fill took them
+    take = [fill.order[k] for k in np.nonzero(mask[:-1])[0].tolist()]  # in density order, as the fill took them
     taken = set(take)
     cand = [i for i, g in enumerate(fill.groups) if g.bytes <= room]
     model = MilpModel(name="sacplan_ops")
@@ -104,7 +105,7 @@ def knapsack(fill: "GreedyFill", cap: int, solver: str, milp: bool = True) -> tu
         if sum(fill.groups[i].bytes for i in chosen) > room:
             chosen = take
     saved = {p for g in fill.always_groups for p in g.members} | {p for i in chosen for p in fill.groups[i].members}
-    return selection_of(fill.ops, saved, fill.stop, True), slack
+    return selection_of(fill.ops, saved, fill.stop), slack
 
 
 class GreedyFill:
@@ -115,8 +116,8 @@ class GreedyFill:
 
     def __init__(self, ops: tuple[OpStat, ...], always: Sequence[OpGroup], free: Sequence[OpGroup], stop: int) -> None:
         self.ops, self.stop, self.groups, self.always_groups = ops, stop, list(free), list(always)
-        #: free groups (indices into ``free``) by ms per byte, most first
-        self.order = sorted(range(len(free)), key=lambda i: (-free[i].ms / free[i].bytes, free[i].bytes, i))
+        #: free groups (indices into ``free``) in the greedy order (:func:`~sacplan.opgroups.fill_order`)
+        self.order = fill_order(free)
         self.free = [free[i] for i in self.order]
         self.bytes = np.array([g.bytes for g in self.free], dtype=np.int64)
         self.ms = np.array([g.ms for g in self.free], dtype=float)
@@ -135,8 +136,13 @@ class GreedyFill:
         self.flops: np.ndarray | list[int] = np.array(flops, dtype=np.int64) if sum(map(abs, flops)) < 2**62 else flops
         self.before_stop = self.index < stop
 
-    def _fill(self, cap: int) -> tuple[np.ndarray, float]:
-        """The free groups taken at ``cap`` (a mask over density ranks, one entry more: False) and the slack (ms)."""
+    def take(self, cap: int) -> tuple[np.ndarray, float]:
+        """The fill at ``cap`` saved bytes: the free groups it takes (a mask over density ranks, one entry more:
+        False) and its slack (ms): 0 when it ends on a whole group (then optimal), else what the LP relaxation
+        saves beyond it.
+
+        Raises:
+            InfeasibleBudgetError: the always-saved groups alone hold more than ``cap``."""
         if self.used > cap:
             raise InfeasibleBudgetError(
                 cap, self.used, "(op level: the in-place/random ops that must be saved hold more than max_saved_bytes)"
@@ -154,26 +160,14 @@ class GreedyFill:
             slack = left * float(self.ms[nxt]) / float(self.bytes[nxt])
         return take, slack
 
-    def taken(self, cap: int) -> list[int]:
-        """The free groups (indices into ``free``) the fill at ``cap`` saves."""
-        take = self._fill(cap)[0]
-        return [self.order[k] for k in np.nonzero(take[:-1])[0].tolist()]
-
-    def __call__(self, cap: int) -> tuple[OpSelection, float]:
-        """``(selection, slack_ms)`` of the fill at ``cap`` saved bytes: ``slack_ms`` 0 when it ends on a whole
-        group (then optimal), else what the LP relaxation saves beyond it.
-
-        Raises:
-            InfeasibleBudgetError: the always-saved groups alone hold more than ``cap``."""
-        take, slack = self._fill(cap)
+    def selection(self, take: np.ndarray) -> OpSelection:
+        """The :class:`OpSelection` of a fill's mask ``take`` (:meth:`take`)."""
         saved = self.always | take[self.group]  # group -1 (not free) reads the last entry: False
         rec = ~saved & self.before_stop
-        sel = OpSelection(
+        return OpSelection(
             saved=tuple(sorted(self.index[saved].tolist())),
             saved_bytes=int(self.used + int(self.bytes[take[:-1]].sum())),
             recompute_ms=math.fsum(self.runtime[rec].tolist()),
             recompute_flops=(int(self.flops[rec].sum()) if isinstance(self.flops, np.ndarray)
                              else sum(f for f, r in zip(self.flops, rec.tolist()) if r)),
-            solved=False,
         )
-        return sel, slack

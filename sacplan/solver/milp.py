@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sacplan.errors import InfeasibleBudgetError, SolverError
+from sacplan.errors import SolverError
 from sacplan.plan import Plan
-from sacplan.solver import limits, strategies
+from sacplan.solver import limits
 from sacplan.solver.backends import lp_solver, solve_model
 from sacplan.solver.formulation import build_budget_model
 from sacplan.solver.judge import Verdict, judge
@@ -27,9 +27,9 @@ from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, relaxed
 from sacplan.solver.options import SolverOptions, resolve_options
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.realise import per_module_peak
-from sacplan.solver.min_peak import solve_min_peak
+from sacplan.solver.min_peak import min_peak_plan, solve_min_peak
 from sacplan.solver.strategies import Found, find
-from sacplan.tree import ModuleTree
+from sacplan.tree import ModuleTree, as_tree
 from sacplan.units import Bytes, parse_budget
 
 
@@ -41,6 +41,21 @@ def baseline_peak(tree: ModuleTree, world_size: int | None = None) -> Bytes:
     """Predicted per-rank peak bytes without checkpointing (``max_e peak_e - S_e``), rounded up; a
     :class:`~sacplan.units.Bytes`, so it is read as bytes when passed back as a budget."""
     return Bytes(math.ceil(SacProblem(tree, world_size).baseline_peak() - 1e-6))
+
+
+def _problem(
+    tree: ModuleTree, world_size: int | None, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None,
+    **kw: Any,
+) -> SacProblem:
+    """The :class:`SacProblem` of a public call (``kw``: its modelling settings). ``fsdp_units`` None: the modules
+    ``fully_shard`` was called on in the stats (:func:`sacplan.distributed.unit_modules`; none for stats not
+    collected on a mesh); ``[]``: none."""
+    tree = as_tree(tree)
+    if fsdp_units is None:
+        from sacplan.distributed import unit_modules
+
+        fsdp_units = unit_modules(tree.stats) or None
+    return SacProblem(tree, world_size, ac_units, fsdp_units, **kw)
 
 
 def min_feasible_budget(
@@ -65,8 +80,7 @@ def min_feasible_budget(
     three)."""
     opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
     with limits.call(opts.time_limit_s, opts.work_limit):
-        problem = SacProblem(tree, world_size, ac_units, fsdp_units)
-        return Bytes(solve_min_peak(problem, opts)[0])
+        return Bytes(solve_min_peak(_problem(tree, world_size, ac_units, fsdp_units), opts)[0])
 
 
 def recompute_lower_bound(
@@ -106,29 +120,30 @@ def _recompute_lower_bound(
     fsdp_units: Sequence[str] | None, opts: SolverOptions,
 ) -> float:
     solver, threads = opts.backend, opts.threads
-    problem = SacProblem(tree, world_size, ac_units, fsdp_units, relax=True)
+    problem = _problem(tree, world_size, ac_units, fsdp_units, relax=True)
     tree = problem.tree
     budget_bytes = parse_budget(budget, capacity_bytes=tree.stats.device.memory_bytes)
     if problem.baseline_peak() <= budget_bytes:
         return 0.0
 
-    def infeasible() -> InfeasibleBudgetError:  # the smallest feasible budget of the exact problem
-        return strategies.infeasible(SacProblem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
+    def infeasible() -> float:  # raises with the exact problem's smallest feasible budget; 0.0 if its plan fits
+        min_peak_plan(_problem(tree, world_size, ac_units, fsdp_units), budget_bytes, opts)
+        return 0.0
 
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget_bytes:
-        raise infeasible()
+        return infeasible()
     model, idx, trivially_infeasible = build_budget_model(problem, float(budget_bytes))
     if trivially_infeasible:
-        raise infeasible()
+        return infeasible()
     res = solve_model(model, solver, time_limit_s=opts.time_limit_s, gap_rel=1e-6, gap_abs=1e-9, threads=threads,
                       priorities={k: 1 for k in idx.K} or None, options=["preprocess off"])  # see _solve_budget_model
     if res.status == INFEASIBLE:
-        raise infeasible()
+        return infeasible()
     if not math.isfinite(res.bound):  # stopped before its root bound: the LP relaxation's, weaker but valid
         with lifted():  # one LP: a bound even from a spent budget
             lp = solve_model(relaxed(model), lp_solver(solver), threads=threads)
         if lp.status == INFEASIBLE:
-            raise infeasible()
+            return infeasible()
         if lp.status != OPTIMAL:
             raise SolverError(f"{solver} proved no lower bound ({res.raw_status}); raise time_limit_s")
         return max(0.0, float(lp.objective))
@@ -169,7 +184,9 @@ def solve(
         world_size: ranks to plan for (None: as collected). State bytes scale by ``stats.world_size/world_size``.
         ac_units: only these modules may be checkpointed (None: every module with discardable activations,
             leaves included, except the root; the root too when named).
-        fsdp_units: FSDP units; their ancestors are never checkpoint units.
+        fsdp_units: FSDP units; their ancestors are never checkpoint units. None: the modules ``fully_shard`` was
+            called on when the stats were collected on a mesh (:func:`sacplan.distributed.unit_modules`), else
+            none; ``[]``: none.
         solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` (PuLP's bundled CBC) or
             ``"highs"`` (highspy).
         time_limit_s: wall-clock budget (s) of the whole call (default 60; None: no limit); when it runs out
@@ -209,8 +226,8 @@ def _solve(
     """:func:`solve` inside its limits, as a pipeline: the problem, the strategies' decision, the judge's verdict,
     the plan."""
     t0 = time.perf_counter()
-    problem = SacProblem(tree, world_size, ac_units, fsdp_units, exact=opts.exact_mode, max_options=opts.max_options,
-                         solver=opts.backend)
+    problem = _problem(tree, world_size, ac_units, fsdp_units, exact=opts.exact_mode, max_options=opts.max_options,
+                       solver=opts.backend)
     for note in problem.notes:
         warnings.warn(note, stacklevel=2)
     budget_bytes = parse_budget(budget, capacity_bytes=problem.tree.stats.device.memory_bytes)

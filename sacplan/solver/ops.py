@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sacplan.errors import ConfigError, InfeasibleBudgetError
-from sacplan.solver import limits
 from sacplan.solver.front import FRONT_CAP, front_of_groups, lower_hull_indices, thin_front
 from sacplan.opgroups import OpGroup, split_groups, stop_index
 from sacplan.solver.knapsack import GreedyFill, OpSelection, knapsack, selection_of
 from sacplan.stats import OpStat
-from sacplan.tradeoff import greedy_vertices
+from sacplan.tradeoff import greedy_vertices, segment_lines
 
 
 _CACHE: dict[tuple, OpSelection] = {}
@@ -158,7 +157,7 @@ def module_options(
     # The plain full checkpoint saves only what is forced (in-place writes to outside tensors) and recomputes
     # every other op before the stop, free ones included (as apply_plan does): its cost may exceed R.
     forced = {p for g in saved_groups if g.fixed == 1 for p in g.members}
-    q_full = selection_of(ops, forced, stop, False).recompute_ms / R if R > 0 else 1.0
+    q_full = selection_of(ops, forced, stop).recompute_ms / R if R > 0 else 1.0
     pts: list[tuple[float, float, OpSelection | _Pending | None]] = [(1.0, max(1.0, q_full), None)]
     if A > 0 and R > 0:
         if len(free) <= DP_MAX_GROUPS or not ratios:
@@ -224,11 +223,8 @@ def _sampled(fill: GreedyFill, ratios: Sequence[float], A: int, solver: str) -> 
     slacks: dict[OpSelection, float] = {}
     for r in sorted(set(float(min(1.0, max(0.0, x))) for x in ratios)):
         cap = max(0, min(A, int(round(A * (1.0 - r)))))
-        try:
-            sel, sl = fill(cap)
-            # fractional: the exact knapsack (past the wall-clock safety net the fill, within sl)
-            if sl > 0 and not limits.past_deadline("op-level options"):
-                sel, sl = knapsack(fill, cap, solver)
+        try:  # past the wall-clock safety net the fill, within sl
+            sel, sl = knapsack(fill, cap, solver, safety_net="op-level options")
         except InfeasibleBudgetError:
             continue
         slacks[sel] = max(slacks.get(sel, 0.0), sl)
@@ -277,7 +273,7 @@ def _realise(
             for i, g in enumerate(free):
                 if sel.mask >> i & 1:
                     saved.update(g.members)
-            sel = selection_of(ops, saved, stop, False)
+            sel = selection_of(ops, saved, stop)
             r, q = min(1.0, (A - sel.saved_bytes) / A), min(1.0, sel.recompute_ms / R) + selective_frac
         out.append((r, q, sel))
     return _undominated(sorted(out, key=lambda p: (-p[0], p[1])))
@@ -313,13 +309,7 @@ def fractional_lines(
     pts.append((1.0, 1.0))
     pts = sorted(set(pts))
     hull = [pts[i] for i in sorted(lower_hull_indices(pts))]
-    slopes, intercepts = [], []
-    for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
-        if x2 - x1 <= 1e-15:
-            continue
-        s = (y2 - y1) / (x2 - x1)
-        slopes.append(s)
-        intercepts.append(y1 - s * x1)
+    slopes, intercepts = segment_lines(hull)
     if not slopes:
         slopes, intercepts = [0.0], [min(1.0, hull[0][1]) if hull else 0.0]
     return tuple(slopes), tuple(intercepts)

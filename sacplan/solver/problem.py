@@ -182,7 +182,7 @@ class SacProblem:
                     c.max_discard_bytes,
                     c.recompute_ms,
                     [p[0] for p in t.points],
-                    recompute_stop=st.recompute_stop or None,
+                    recompute_stop=st.recompute_stop,
                     max_options=self.max_options,
                     solver=lp_solver(self._solver),
                     selective_frac=sel_frac,

@@ -68,7 +68,7 @@ def _selection(problem: SacProblem, c: Candidate, ratio: float, opts: SolverOpti
         return None, ratio
     try:  # at ratio 1: save the free ops (what the trade-off's full discard costs)
         return select_ops(st.ops, max_saved_bytes_for(ratio, c.max_discard_bytes), solver=lp_solver(opts.backend),
-                          recompute_stop=st.recompute_stop or None), ratio
+                          recompute_stop=st.recompute_stop), ratio
     except InfeasibleBudgetError:
         return None, 1.0
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sacplan.errors import InfeasibleBudgetError, SolverError
+from sacplan.errors import SolverError
 from sacplan.solver import limits
 from sacplan.solver.budget_milp import MilpRun, solve_budget_milp
 from sacplan.solver.chain_dp import solve_chain_dp
@@ -31,7 +31,7 @@ from sacplan.solver.formulation import MilpIndex, build_budget_model, columns_fo
 from sacplan.solver.model import INFEASIBLE, OPTIMAL, TIME_LIMIT, MilpModel, relative_gap
 from sacplan.solver.options import SolverOptions
 from sacplan.solver.problem import SacProblem
-from sacplan.solver.min_peak import min_peak_plan, solve_min_peak
+from sacplan.solver.min_peak import min_peak_plan
 from sacplan.solver.tree_dp import TreeDpResult, solve_tree_dp
 
 
@@ -53,11 +53,6 @@ class Found:
     min_feasible: int | None = None
 
 
-def infeasible(problem: SacProblem, budget: int, opts: SolverOptions) -> InfeasibleBudgetError:
-    """The error for a budget no plan meets, carrying the smallest feasible budget (a min-peak solve)."""
-    return InfeasibleBudgetError(budget, solve_min_peak(problem, opts)[0])
-
-
 def find(problem: SacProblem, budget: int, opts: SolverOptions) -> Found:
     """The best decision the strategies find for ``budget`` bytes (tree DP, else the budget MILP).
 
@@ -66,11 +61,11 @@ def find(problem: SacProblem, budget: int, opts: SolverOptions) -> Found:
         SolverError: the search stopped before any plan, or the back-end failed.
     """
     if problem.num_candidates == 0 or problem.lower_bound_peak() > budget:
-        raise infeasible(problem, budget, opts)
+        return _min_peak(problem, budget, opts, {}, {}, "no plan meets the budget's lower bound")
     t0 = time.perf_counter()
     model, idx, trivially_infeasible = build_budget_model(problem, float(budget))
     if trivially_infeasible:
-        raise infeasible(problem, budget, opts)
+        return _min_peak(problem, budget, opts, {}, {}, "an event exceeds the budget whatever is checkpointed")
     model_s = time.perf_counter() - t0
     why: list[str] = []
     dp = solve_tree_dp(problem, float(budget), why=why) if problem.exact and opts.tree_dp else None
@@ -133,9 +128,8 @@ def _from_milp(
                 lp_bound_ms=lp_bound, proved_by="lp" if run.by_lp else opts.backend, tolerance_cuts=run.cuts)
     if res.x is None:
         if res.status == INFEASIBLE:  # solver tolerance at the very edge: the min-peak solution fits exactly
-            mf, y, r = min_peak_plan(problem, budget, opts)
-            meta["fallback"] = "min-peak solution (the budget MILP was declared infeasible at the feasibility edge)"
-            return Found(y, r, problem.cost(y, r), -math.inf, math.inf, TIME_LIMIT, meta, timing, mf)
+            return _min_peak(problem, budget, opts, meta, timing, "the budget MILP was declared infeasible at the "
+                             "feasibility edge")
         if res.status == TIME_LIMIT:
             raise SolverError(
                 f"{opts.backend} stopped ({', '.join(f'{w}: {p}' for w, p in limits.stops()) or 'time limit'}) "
@@ -150,3 +144,15 @@ def _from_milp(
         bound = min(objective, lp_bound)
         gap = relative_gap(objective, bound)
     return Found(y, r, objective, bound, gap, status, meta, timing)
+
+
+def _min_peak(
+    problem: SacProblem, budget: int, opts: SolverOptions, meta: dict[str, Any], timing: dict[str, float], why: str,
+) -> Found:
+    """The min-peak plan as a :class:`Found` (``why``: what ruled the strategies' own out), unproven.
+
+    Raises:
+        InfeasibleBudgetError: it does not fit ``budget`` (bytes) either (with the smallest feasible budget)."""
+    mf, y, r = min_peak_plan(problem, budget, opts)
+    meta["fallback"] = f"min-peak solution ({why})"
+    return Found(y, r, problem.cost(y, r), -math.inf, math.inf, TIME_LIMIT, meta, timing, mf)

@@ -29,6 +29,7 @@ from typing import Sequence
 from sacplan.devices import DeviceSpec
 from sacplan.stats import MemoryEvent, MemSnapshot, ModelStats, ModuleStats, OpStat, Phase, TradeOff
 from sacplan.tree import ModuleTree
+from sacplan.tradeoff import segment_lines
 from sacplan.units import GiB, MiB
 
 #: An H100-SXM-like target (figures only matter for bookkeeping here).
@@ -99,13 +100,7 @@ def greedy_tradeoff(ops: Sequence[OpStat], A: int, R: float, flops: int = 0) -> 
         cb += o.save_cost_bytes
         cm += o.runtime_ms
         pts.append((cb / A, cm / R))
-    slopes, intercepts = [], []
-    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
-        if r1 - r0 <= 1e-15:
-            continue
-        s = (q1 - q0) / (r1 - r0)
-        slopes.append(s)
-        intercepts.append(q0 - s * r0)
+    slopes, intercepts = segment_lines(pts)
     if not slopes:
         slopes, intercepts = [0.0], [pts[0][1]]
     return TradeOff(

@@ -263,7 +263,7 @@ def test_a_tiny_limit_still_returns_a_plan_when_no_rounding_of_the_lp_fits(monke
 
     tree = llama_tree(8)
     budget = int(baseline_peak(tree) * 0.7)
-    monkeypatch.setattr(search, "_unnest", lambda problem, y, score: np.zeros_like(y))  # every rounding empty
+    monkeypatch.setattr(search, "_unnest", lambda problem, y: np.zeros_like(y))  # every rounding empty
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TimeLimitWarning)
         plan = solve(tree, budget, time_limit_s=1e-3, op_level=False)

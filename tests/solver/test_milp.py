@@ -185,6 +185,35 @@ def test_fsdp_units_forbid_ancestors():
     assert any("FSDP" in str(x.message) for x in w)
 
 
+def test_fsdp_units_default_to_the_stats_own_fully_shard_units():
+    """solve, min_feasible_budget and recompute_lower_bound read fsdp_units=None as the units the stats were sharded
+    with (``meta["distributed"]["units"]``, :func:`sacplan.distributed.unit_modules`); ``[]`` is none; sac_milp keeps
+    PyTorch's meaning (None: none). ``block`` holds 1 GiB, its child ``inner`` (the FSDP unit) 64 MiB: only
+    ``block`` can meet a budget 1 GiB under the peak, and it may not be checkpointed around the unit."""
+    import dataclasses
+
+    from sacplan.solver import recompute_lower_bound, sac_milp
+    from sacplan.tree import ModuleTree
+
+    inner = Spec("inner", act=64 * MiB, fw_ms=5.0, lines=((1.0, 0.0),))
+    block = Spec("block", act=1024 * MiB, fw_ms=1.0, lines=((1.0, 0.0),), children=[inner])
+    plain = build_tree(Spec("model", children=[block, Spec("head", fw_ms=0.5, tmp=2048 * MiB)], params=512 * MiB))
+    stats = plain.stats
+    tree = ModuleTree(dataclasses.replace(stats, meta={**stats.meta, "distributed": {"units": [["block.inner"]]}}))
+    lo = min_feasible_budget(plain)
+    assert min_feasible_budget(tree, fsdp_units=[]) == lo
+    # block's own 1 GiB is held at the head's peak (inner's 64 MiB is discarded either way)
+    assert min_feasible_budget(tree) == min_feasible_budget(tree, fsdp_units=["block.inner"]) == lo + 1024 * MiB
+    budget = int(lo + (baseline_peak(plain) - lo) // 2)
+    assert solve(plain, budget).decisions_dict() == solve(tree, budget, fsdp_units=[]).decisions_dict() == {"block": 0.5}
+    with pytest.raises(InfeasibleBudgetError):
+        solve(tree, budget)
+    with pytest.raises(InfeasibleBudgetError):
+        recompute_lower_bound(tree, budget)
+    assert recompute_lower_bound(tree, budget, fsdp_units=[]) == recompute_lower_bound(plain, budget) > 0
+    assert sac_milp(tree, budget / GiB) == sac_milp(plain, budget / GiB) and sac_milp(tree, budget / GiB)[0]
+
+
 # --------------------------------------------------------------------------------------------------------
 # solvers, determinism, time limit, realisation
 # --------------------------------------------------------------------------------------------------------
