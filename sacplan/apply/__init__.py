@@ -21,8 +21,9 @@ or after ``fully_shard`` / DDP / ``torch.compile``. Under ``torch.compile`` the 
 Dynamo (``context_fn`` as a ``functools.partial`` of module-level functions, which Dynamo accepts) and AOTAutograd
 tags the traced ops; buffer mutations are functionalised there, so the in-place guard is not needed.
 
-The package: :mod:`~sacplan.apply.policy` (which ops are saved), :mod:`~sacplan.apply.kv_cache` (key/value
-caches under checkpointing), and here the planned ``forward`` and the apply / remove bookkeeping.
+The package: :mod:`~sacplan.apply.policy` (which ops are saved), :mod:`~sacplan.apply.rng` (regions planned
+without RNG state draw no random numbers), :mod:`~sacplan.apply.kv_cache` (key/value caches under checkpointing),
+and here the planned ``forward`` and the apply / remove bookkeeping.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from sacplan.apply.kv_cache import check_kv_cache, refuse_cache_kwargs
 from sacplan.apply.policy import make_policy, outside_ptrs, policy_settings
+from sacplan.apply.rng import generator_states, rng_mismatch
 from sacplan.errors import ConfigError, PlanMismatchError
 from sacplan.fingerprint import canonical_names, model_fingerprint
 from sacplan.opnames import dropout_is_fused
@@ -155,7 +157,9 @@ class _PlannedForward:
         # recomputation costs 23-119 us per op per pass on a real GPU (benchmarks/RESULTS.md). Same tensors
         # saved, same recomputation: the same bytes and bitwise the same gradients. A region planned without RNG
         # state (``preserve_rng_state=False``) runs its first call under the policy, which refuses a random op
-        # there (``checked``: that call has run), and plain afterwards.
+        # there (``checked``: that call has run), and plain afterwards, every plain call checking that its
+        # forward left the generators as it found them (sacplan.apply.rng): a later call that draws random
+        # numbers (training mode after an eval-mode first call, a data-dependent branch) is refused too.
         self.full = not (saved or save_random or mutation)
         self.checked = False
 
@@ -204,7 +208,13 @@ class _PlannedForward:
         # recomputing (sacplan.devices.checkpoint_state_bytes); the policy refuses a random op there, so such a
         # region's first call runs the policy even when it is full (see ``self.full``).
         if getattr(self, "full", False) and (rng or getattr(self, "checked", False)) and next(module.buffers(), None) is None:
-            return checkpoint(run, *unique, use_reentrant=False, preserve_rng_state=rng)
+            if rng:
+                return checkpoint(run, *unique, use_reentrant=False)
+            before = generator_states(unique)
+            out = checkpoint(run, *unique, use_reentrant=False, preserve_rng_state=False)
+            if generator_states(unique) != before:
+                raise rng_mismatch(fqn, "its forward advanced a random number generator")
+            return out
         outside = outside_ptrs(module, args, kwargs)  # only the selective policy reads them
         saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
-from sacplan.errors import PlanMismatchError
+from sacplan.apply.rng import rng_mismatch
 from sacplan.opnames import (
     RANDOM, draws_random_numbers, family, is_attention, is_inplace_op, is_random_op, resolve_op, saved_op_keys,
 )
@@ -97,11 +97,7 @@ def make_policy(
         rnd, fam = info.random, info.family
         recompute = bool(getattr(ctx, "is_recompute", False))
         if no_rng_state and not recompute and (rnd or info.attention) and draws_random_numbers(func, args, kwargs):
-            raise PlanMismatchError(
-                f"checkpointed module {region!r} draws random numbers ({func}) where the step the plan was made from "
-                "drew none (was the model collected in eval mode, or with dropout 0?); without the RNG state its "
-                "recomputation would replay other numbers. Re-plan from a step that runs as this one does."
-            )
+            raise rng_mismatch(region, str(func))
         if fused_dropout and not compiled:
             companion = _dropout_companion(func, args, recompute, noise, pending, counters)
             if companion is not None:

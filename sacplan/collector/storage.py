@@ -99,9 +99,8 @@ class StorageAccounting:
         self.fw_post_order: list[str] = []
         self.bw_pre_order: list[str] = []
         self.bw_post_order: list[str] = []
-        #: storage keys freed during the recorded forward (before any backward op ran)
-        self.freed_in_fw: set[int] = set()
-        self.bw_seen = False
+        #: storage key → index of the segment in which a forward freed it (outside backward and the optimizer)
+        self.freed_in_fw: dict[int, int] = {}
         #: (id, key, total, per-category bytes) of a gradient accumulation whose peak waits on its input's fate
         self.pending_accumulation: tuple[int, int, int, tuple[int, ...]] | None = None
 
@@ -195,8 +194,8 @@ class StorageAccounting:
         info = self.storages.pop(sid, None)
         if info is not None:
             self.live_keys.discard(info[2])
-            if self.recording and not self.bw_seen and torch._C._current_graph_task_id() == -1:
-                self.freed_in_fw.add(info[2])
+            if self.recording and not self.in_optimizer and torch._C._current_graph_task_id() == -1:
+                self.freed_in_fw[info[2]] = len(self.segments)
             self.live[info[1]] -= info[0]
             self.total -= info[0]
             if info[3] == ACT:
@@ -222,9 +221,12 @@ class StorageAccounting:
 
     def held_by_checkpoint(self, rec: CallRecord) -> int:
         """Bytes a non-reentrant checkpoint of ``rec`` would keep besides saved tensors: its activation inputs
-        that the step freed before backward began (nothing saved them). ``torch.utils.checkpoint`` holds a
-        region's inputs until the region's backward to re-run it; inputs something saves live that long anyway."""
-        return sum(b for k, b in rec.input_keys if k in self.freed_in_fw)
+        that a forward freed before the call's backward began (nothing saved them). ``torch.utils.checkpoint``
+        holds a region's inputs until the region's backward to re-run it; inputs something saves live that long
+        anyway. A forward may run after another call's backward (a pipeline schedule's later microbatches,
+        gradient accumulation): what counts is this call's backward (its segment, ``event_bw_start``)."""
+        bw = rec.event_bw_start
+        return sum(b for k, b in rec.input_keys if k in self.freed_in_fw and (bw < 0 or self.freed_in_fw[k] < bw))
 
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.live)

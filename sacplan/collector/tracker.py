@@ -134,8 +134,6 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         new_bytes = 0
         out_sids = []
         in_bw = torch._C._current_graph_task_id() != -1
-        if in_bw and self.recording:
-            self.bw_seen = True
         category = TEMP if (in_bw or self.in_optimizer) else ACT
         accumulated = self._in_place_on_real(func, args, kwargs, out, in_bw)
         fresh = 0

@@ -82,14 +82,15 @@ def plan_pipeline(args: argparse.Namespace, spec: Any, device: Any, budget: Any,
     if knobs["seq"] is not None and knobs["seq"] % tp:
         raise ConfigError(f"--seq {knobs['seq']} does not split into {tp} sequence shards (the TP layout's sequence "
                           f"parallelism hands each stage a shard): give a multiple of --tp {tp}")
-    # on the mesh the stages are built in --dtype (the rotary table fp32), or as fp32 masters under the policy
+    # The stages are built in --dtype (the rotary table stays fp32, as the whole preset keeps it), or as fp32
+    # masters under the mesh's mixed-precision policy; collect_pipeline is given no dtype, which would cast them
+    # whole (the rotary table too).
     stage_dtype = None if composed and mp_policy_of(args) is not None else dtype
     fns, tokens, loss = preset_pipeline(spec.preset, pp * per_rank, batch=batch, seq=knobs["seq"], dtype=stage_dtype,
                                         overrides=spec.overrides)
     with layout_views_ok():
         stats = collect_pipeline(fns, tokens, schedule=key, microbatches=mb, num_ranks=pp, loss_fn=loss,
-                                 target=tokens, device=device, dtype=None if composed else dtype,
-                                 model_name=spec.label, progress=say, **composed)
+                                 target=tokens, device=device, model_name=spec.label, progress=say, **composed)
     stats = per_rank_stats(stats, args)
     if say:
         say("solving every rank")

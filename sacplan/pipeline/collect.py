@@ -21,6 +21,7 @@ from torch import nn
 from sacplan.collector.step import local_shard_step
 from sacplan.errors import ConfigError
 from sacplan.pipeline.fake_group import fake_process_group, sends_hold_tensors, static_schedule
+from sacplan.pipeline.mesh import StageParallelizer, boundaries, mesh_rank, pipeline_dims
 from sacplan.pipeline.schedule import (
     MULTI_STAGE,
     SCHEDULES,
@@ -28,11 +29,10 @@ from sacplan.pipeline.schedule import (
     rank_stages,
     run_schedule_step,
     schedule_key,
-    stage_io,
 )
 from sacplan.stats import ModelStats
 
-__all__ = ["PipelineRank", "collect_pipeline", "pipeline_loss", "rank_module"]
+__all__ = ["PipelineRank", "collect_pipeline", "pipeline_loss", "rank_module", "stage_modules"]
 
 
 class PipelineRank(nn.Module):
@@ -61,6 +61,13 @@ def rank_module(stage_fns: Sequence[Callable[[], nn.Module]], held: Sequence[int
     if len(held) == 1:
         return stage_fns[held[0]]()
     return PipelineRank({i: stage_fns[i]() for i in held})
+
+
+def stage_modules(model: nn.Module, held: Sequence[int]) -> dict[int, nn.Module]:
+    """Stage index → module of the rank module :func:`rank_module` built (the module itself for one stage)."""
+    if len(held) == 1:
+        return {held[0]: model}
+    return {i: model.stage(i) for i in held}  # type: ignore[operator]
 
 
 def pipeline_loss(loss_fn: Callable[..., torch.Tensor] | None, has_target: bool) -> Callable[[Any, Any], torch.Tensor]:
@@ -142,16 +149,12 @@ def collect_pipeline(
     dt = parse_dtype(dtype)
     dims = None
     if mesh is not None or parallelize is not None:
-        from sacplan.pipeline.mesh import mesh_stage_io, pipeline_dims
-
         if mesh is None or parallelize is None:
             raise ConfigError("mesh= and parallelize= go together: mesh={'dp_shard': D, 'tp': T} and "
                               "parallelize=fn(stage_module, device_mesh)")
         dims = pipeline_dims(num_ranks, mesh)
         say(f"stage boundaries on the {' x '.join(f'{k} {v}' for k, v in dims.items())} mesh")
-        io = mesh_stage_io(fns, inputs, microbatches, dt, dims, parallelize)
-    else:
-        io = stage_io(fns, inputs, microbatches, dt)
+    io = boundaries(fns, inputs, microbatches, dt, dims, parallelize)
     from sacplan.fingerprint import model_fingerprint
 
     metas = [_meta_stage(f) for f in fns]
@@ -199,8 +202,6 @@ class _Job:
             step = _RankStep(held, n, self.io, self.key, self.microbatches, self.loss, n_inputs=n_inputs)
             with fake_process_group(r, self.num_ranks):
                 return collect(build, rank_inputs, train_step=step, model_name=label, **self.knobs)
-        from sacplan.pipeline.mesh import StageParallelizer, mesh_rank
-
         par = StageParallelizer(self.parallelize, self.dims)  # type: ignore[arg-type]
         step = _RankStep(held, n, self.io, self.key, self.microbatches, self.loss, n_inputs=n_inputs,
                          group=lambda: par.group)
@@ -237,9 +238,8 @@ class _RankStep:
 
     def __call__(self, model: nn.Module, args: tuple, opt: torch.optim.Optimizer | None) -> None:
         if self.sched is None:
-            mods = {self.held[0]: model} if len(self.held) == 1 else {i: model.stage(i) for i in self.held}  # type: ignore[operator]
             dev = next(iter(model.parameters()), torch.empty(0)).device
-            self.sched = build_schedule(mods, self.io, schedule=self.key, microbatches=self.mb, loss_fn=self.loss,
+            self.sched = build_schedule(stage_modules(model, self.held), self.io, schedule=self.key, microbatches=self.mb, loss_fn=self.loss,
                                         device=dev, group=self.group() if self.group else None)
             static_schedule(self.sched)
         inputs = tuple(args[: self.n_inputs])

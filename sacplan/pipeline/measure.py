@@ -21,7 +21,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from sacplan.pipeline.collect import pipeline_loss, rank_module
+from sacplan.collector.runtime import local_shards
+from sacplan.pipeline.collect import pipeline_loss, rank_module, stage_modules
+from sacplan.pipeline.mesh import StageParallelizer, pipeline_rank
 from sacplan.pipeline.schedule import StageIO, build_schedule, rank_stages, run_schedule_step, schedule_key, stage_io
 
 __all__ = ["measure_rank"]
@@ -54,7 +56,7 @@ def measure_rank(
     Composed with a mesh (as :func:`~sacplan.pipeline.collect_pipeline` collects it): ``mesh`` is the whole mesh's
     dimensions (``{"pp": p, ...}``, the stats' ``meta["distributed"]["mesh"]``) over every process of the group,
     this process's pipeline rank its ``"pp"`` coordinate; ``parallelize`` runs on each stage after the plan is
-    applied, and ``io`` (:func:`~sacplan.pipeline.mesh.mesh_stage_io`, computed before the process group starts)
+    applied, and ``io`` (:func:`~sacplan.pipeline.mesh.boundaries`, computed before the process group starts)
     gives the parallelized stage boundaries.
     """
     from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, OTHER, PARAM
@@ -102,8 +104,7 @@ def measure_rank(
             rec.register(list(model.buffers()), BUFFER)
             rec.register([t for t in (*first_in, tgt) if isinstance(t, torch.Tensor)], INPUT)
             schedule_step()  # warm-up: gradients to compare, then optimizer state
-            digests = {name: hashlib.sha256(_local(p.grad).detach().numpy().tobytes()).hexdigest()
-                       for name, p in model.named_parameters() if p.grad is not None}
+            digests = {name: _digest(p.grad) for name, p in model.named_parameters() if p.grad is not None}
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec.close_segment()
@@ -128,28 +129,26 @@ def _build_rank(fns: Sequence[Callable[[], nn.Module]], key: str, num_ranks: int
 
     from sacplan.apply import apply_plan
 
-    rank, par, dm = dist.get_rank(), None, None
-    if mesh is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from sacplan.pipeline.mesh import PP_DIM, StageParallelizer
-
-        dm = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
-        rank, par = dm.get_local_rank(PP_DIM), StageParallelizer(parallelize, mesh)
+    rank = pipeline_rank(dist.get_rank(), mesh)
     held = rank_stages(rank, num_ranks, len(fns), key)
     torch.manual_seed(seed)
     model = rank_module(fns, held)
     if hasattr(plan, "for_stage"):  # a pipeline plan: each stage its part, as a training script applies it
-        for i in held:
-            apply_plan(model if len(held) == 1 else model.stage(i), plan, stage=i)  # type: ignore[operator]
+        for i, stage in stage_modules(model, held).items():
+            apply_plan(stage, plan, stage=i)
     elif plan is not None:
         apply_plan(model, plan)
-    if par is not None:
-        model = par(model, dm)
-    mods = {held[0]: model} if len(held) == 1 else {i: model.stage(i) for i in held}  # type: ignore[operator]
-    return model, mods, rank, held, par.group if par is not None else None
+    if mesh is None:
+        return model, stage_modules(model, held), rank, held, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
+    par = StageParallelizer(parallelize, mesh)
+    model = par(model, dm)
+    return model, stage_modules(model, held), rank, held, par.group
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def _digest(grad: torch.Tensor) -> str:
+    """SHA-256 of a gradient's bytes (a DTensor's local shard), any dtype (bf16 has no numpy view)."""
+    local = local_shards(grad).detach().contiguous()
+    return hashlib.sha256(local.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

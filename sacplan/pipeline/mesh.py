@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from sacplan.errors import ConfigError
-from sacplan.pipeline.schedule import StageIO, chain_stage_io, first_microbatch
+from sacplan.pipeline.schedule import StageIO, chain_stage_io, first_microbatch, stage_io
 
-__all__ = ["PP_DIM", "StageParallelizer", "mesh_rank", "mesh_stage_io", "pipeline_dims"]
+__all__ = ["PP_DIM", "StageParallelizer", "boundaries", "mesh_rank", "mesh_stage_io", "pipeline_dims", "pipeline_rank"]
 
 #: the pipeline dimension's name in the composed mesh (torchtitan's)
 PP_DIM = "pp"
@@ -48,9 +48,20 @@ def pipeline_dims(num_ranks: int, mesh: Any) -> dict[str, int]:
     return {PP_DIM: num_ranks, **dims}
 
 
+def _per_pipeline_rank(dims: Mapping[str, int]) -> int:
+    """Processes per pipeline rank: the product of the mesh's other dimensions."""
+    return math.prod(v for k, v in dims.items() if k != PP_DIM)
+
+
 def mesh_rank(pp_rank: int, dims: Mapping[str, int]) -> int:
     """The global rank at coordinate ``(pp_rank, 0, 0, …)`` of a row-major mesh with dimensions ``dims``."""
-    return pp_rank * math.prod(v for k, v in dims.items() if k != PP_DIM)
+    return pp_rank * _per_pipeline_rank(dims)
+
+
+def pipeline_rank(process: int, dims: Mapping[str, int] | None) -> int:
+    """The pipeline rank of global rank ``process``: its ``"pp"`` coordinate in the row-major, pipeline-first mesh
+    ``dims``; without a mesh (``None``) every process is its own pipeline rank."""
+    return process if dims is None else process // _per_pipeline_rank(dims)
 
 
 class StageParallelizer:
@@ -112,3 +123,15 @@ def mesh_stage_io(
                 return stage(*fakes)
 
         return chain_stage_io(len(stage_fns), first_microbatch(inputs, microbatches, dtype), build, call)
+
+
+def boundaries(
+    stage_fns: Sequence[Callable[[], nn.Module]], inputs: Any, microbatches: int, dtype: torch.dtype | None,
+    dims: Mapping[str, int] | None = None, parallelize: Callable[[nn.Module, Any], Any] | None = None,
+) -> list[StageIO]:
+    """The stage boundaries a ``PipelineStage`` is built with: :func:`mesh_stage_io` on the composed mesh ``dims``
+    (with ``parallelize``), :func:`~sacplan.pipeline.schedule.stage_io` without one. Run it outside any process
+    group (the mesh's is a fake one of its own)."""
+    if dims is None:
+        return stage_io(stage_fns, inputs, microbatches, dtype)
+    return mesh_stage_io(stage_fns, inputs, microbatches, dtype, dims, parallelize)  # type: ignore[arg-type]

@@ -40,16 +40,13 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_cache", rope, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        h = x  # hidden states (B, S, D), or a sequence shard of them (sequence parallelism)
         if self.tok_embeddings is not None:
-            S = x.shape[1]
             h = self.tok_embeddings(x)  # (B, S, D)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(S, device=x.device))
-            rope = self.rope_cache[:S] if self.rope_cache is not None else None  # (S, hd/2, 2)
-        else:  # x may be a sequence shard (sequence parallelism): the attention takes the rows of its length
-            h, rope = x, self.rope_cache  # (max_seq_len, hd/2, 2)
-        for layer in self.layers.values():
-            h = layer(h, rope)  # (B, S, D)
+                h = h + self.pos_embeddings(torch.arange(x.shape[1], device=x.device))
+        for layer in self.layers.values():  # the attention takes the table's first S rows (apply_rotary)
+            h = layer(h, self.rope_cache)  # (B, S, D); rope_cache (max_seq_len, hd/2, 2)
         if self.output is not None:
             return self.output(self.norm(h))  # (B, S, V)
         return h

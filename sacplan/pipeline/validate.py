@@ -6,7 +6,9 @@ plan — and returns one :class:`RankReport` per rank: measured vs predicted pea
 step's gradients are bitwise equal. Stage factories, inputs and loss must pickle (module-level functions,
 ``functools.partial``), as for any spawned process. Stats collected on a mesh (``collect_pipeline(mesh=,
 parallelize=)``) are validated on one process per mesh rank, each parallelizing its stages on a gloo
-``DeviceMesh`` with the same function; every process is compared with its pipeline rank's prediction.
+``DeviceMesh`` with the same function; every process is compared with its pipeline rank's prediction. The stage
+boundaries every ``PipelineStage`` is built with (:func:`~sacplan.pipeline.mesh.boundaries`) are computed once,
+here, and handed to every process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from sacplan.errors import ConfigError, ValidationError
 from sacplan.gloo_ranks import join_gloo, report_and_exit, spawn_ranks
+from sacplan.pipeline.mesh import boundaries, pipeline_rank
 from sacplan.stats import ModelStats
 
 __all__ = ["RankReport", "validate_pipeline"]
@@ -111,8 +114,10 @@ def validate_pipeline(
         docs = [("plan", p.to_dict()) for p in plans]
     if len(plans) != ws:
         raise ConfigError(f"{len(plans)} plans for a pipeline of {ws} ranks: pass one per rank")
-    job = dict(stage_fns=list(stage_fns), inputs=inputs, schedule=info["schedule"], microbatches=int(info["microbatches"]),
-               num_ranks=ws, plans=docs, loss_fn=loss_fn, target=target, seed=seed, mesh=mesh, parallelize=parallelize)
+    fns, microbatches = list(stage_fns), int(info["microbatches"])
+    io = boundaries(fns, inputs, microbatches, None, mesh, parallelize)  # once, for every process
+    job = dict(stage_fns=fns, inputs=inputs, schedule=info["schedule"], microbatches=microbatches, num_ranks=ws,
+               plans=docs, loss_fn=loss_fn, target=target, seed=seed, mesh=mesh, parallelize=parallelize, io=io)
     processes = math.prod(mesh.values()) if mesh else ws
     with tempfile.TemporaryDirectory(prefix="sacplan-pp-") as tmp:
         results, died = spawn_ranks(_worker, processes, Path(tmp) / "rdzv", job)
@@ -140,30 +145,18 @@ def _plan_of(doc: tuple[str, dict], plan_cls: Any, pipeline_cls: Any) -> Any:
 
 
 def _worker(process: int, ws: int, rdzv: str, job: dict, q: Any) -> None:
-    """One process: join the gloo group, measure without and with the plan, report on ``q``. Under a mesh the
-    stage boundaries come first, on a fake group (:func:`~sacplan.pipeline.mesh.mesh_stage_io`), before joining."""
+    """One process: join the gloo group, measure without and with the plan, report on ``q``."""
     from sacplan.pipeline.measure import measure_rank
     from sacplan.pipeline.plans import PipelinePlan
     from sacplan.plan import Plan
 
     def body() -> dict:
-        io = None
-        if job["mesh"] is not None:
-            from sacplan.pipeline.mesh import mesh_stage_io
-
-            io = mesh_stage_io(job["stage_fns"], job["inputs"], job["microbatches"], None, job["mesh"], job["parallelize"])
         join_gloo(process, ws, rdzv)
-        plan = _plan_of(job["plans"][_pipeline_rank(process, job)], Plan, PipelinePlan)
+        plan = _plan_of(job["plans"][pipeline_rank(process, job["mesh"])], Plan, PipelinePlan)
         return {name: measure_rank(job["stage_fns"], job["inputs"], schedule=job["schedule"],
                                    microbatches=job["microbatches"], num_ranks=job["num_ranks"], plan=p,
                                    loss_fn=job["loss_fn"], target=job["target"], seed=job["seed"], mesh=job["mesh"],
-                                   parallelize=job["parallelize"], io=io)
+                                   parallelize=job["parallelize"], io=job["io"])
                 for name, p in (("none", None), ("plan", plan))}
 
     report_and_exit(process, q, body)
-
-
-def _pipeline_rank(process: int, job: dict) -> int:
-    """The pipeline rank of ``process``: its ``"pp"`` coordinate in the (row-major, pipeline-first) mesh."""
-    mesh = job["mesh"]
-    return process if mesh is None else process // (math.prod(mesh.values()) // job["num_ranks"])

@@ -130,3 +130,39 @@ def test_regions_without_rng_state_run_their_first_call_under_the_policy(monkeyp
     apply_plan(noisy, _plan("blocks.0", rng=False))
     with pytest.raises(PlanMismatchError):
         _step(noisy, x)
+
+
+class _Branchy(nn.Module):
+    """Dropout only on inputs whose mean is positive (a data-dependent branch)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return nn.functional.dropout(y, 0.5) if bool(x.mean() > 0) else y
+
+
+def test_a_plain_region_without_rng_state_refuses_a_later_call_that_draws_random_numbers(monkeypatch):
+    """A region planned without RNG state turns plain after its first call; a later call that draws random numbers
+    would be recomputed with other numbers (a silently wrong gradient) and is refused at its forward instead:
+    first call in eval mode with grad enabled (no dropout, the policy passes), then training mode with dropout; or a
+    branch that draws only for some inputs."""
+    torch.manual_seed(0)
+    spy = _Spy(apply_mod.checkpoint)
+    monkeypatch.setattr(apply_mod, "checkpoint", spy)
+    model, x = Net(nn.Identity(), n=1, dropout=0.3), torch.randn(8, 16)
+    apply_plan(model, _plan("blocks.0", rng=False))
+    model.eval()
+    _step(model, x)
+    _step(model, x)  # plain now, and still draws nothing
+    assert (spy.selective, spy.plain) == (1, 1)
+    model.train()
+    with pytest.raises(PlanMismatchError, match="'blocks.0' draws random numbers .*advanced a random number generator"):
+        _step(model, x)
+    branchy = nn.Sequential(_Branchy())
+    apply_plan(branchy, _plan("0", rng=False))
+    _step(branchy, -x.abs())  # no dropout on this input
+    with pytest.raises(PlanMismatchError, match="'0' draws random numbers"):
+        _step(branchy, x.abs())

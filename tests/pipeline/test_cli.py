@@ -97,3 +97,33 @@ def test_pipeline_ranks_under_world_size_keep_the_mixed_precision_policy():
     want = shard_stats(stats, 2, fsdp_units="each block", mode="fsdp", mp_policy=policy)
     plain = shard_stats(stats, 2, fsdp_units="each block", mode="fsdp")
     assert mixed.peak_bytes == want.peak_bytes != plain.peak_bytes
+
+
+@pytest.mark.parametrize("argv, itemsize", [([], 2), (["--dtype", "fp32"], 4)], ids=["bf16", "fp32"])
+def test_pp_stages_hold_the_dtype_asked_for_and_a_float32_rotary_table(monkeypatch, argv, itemsize, capsys):
+    """As without --pp (ModelPreset.build): parameters in --dtype (bf16 by default), the rotary table float32 —
+    llama-tiny's (max_seq_len 128, head_dim 16) is 128 x 8 x [cos, sin] x 4 bytes = 8,192 bytes in every stage
+    (a multiple of the H100 allocator's 512-byte rounding, as each parameter's bytes are rounded)."""
+    import sacplan.pipeline.collect as pipeline_collect
+    from sacplan.devices import get_device
+    from sacplan.models import get_model
+    from sacplan.pipeline.presets import preset_pipeline
+
+    got = []
+    real = pipeline_collect.collect_pipeline
+
+    def spy(*args, **kwargs):
+        got.extend(real(*args, **kwargs))
+        return got
+
+    monkeypatch.setattr(pipeline_collect, "collect_pipeline", spy)
+    assert main(["plan", "llama-tiny", "--pp", "2", "--microbatches", "2", "--seq", "32", "--device", "h100",
+                 "--budget", "80%", "-q"] + argv) == 0
+    capsys.readouterr()
+    fns, _, _ = preset_pipeline(get_model("llama-tiny"), 2, batch=2, seq=32, dtype=None)
+    assert len(got) == 2
+    for stats, fn in zip(got, fns):
+        root = stats.module("")
+        assert root.buffer_bytes == 128 * 8 * 2 * 4
+        h100 = get_device("h100")
+        assert root.param_bytes == sum(h100.round_alloc(p.numel() * itemsize) for p in fn().parameters())

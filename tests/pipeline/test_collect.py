@@ -118,3 +118,17 @@ def test_refuses_inside_a_running_process_group(tmp_path):
             collect_pipeline(stage_fns(2, blocks=1), batch(4 * M), microbatches=M, device="cpu")
     finally:
         dist.destroy_process_group()
+
+
+def test_checkpoint_held_inputs_count_forwards_after_a_backward():
+    """A bf16 RMSNorm saves its float32 copy of the input, not the input: checkpointed, the region holds its bf16
+    input (1 x 64 x 64 x 2 = 8,192 bytes per microbatch) until its backward. Under 1F1B the first rank runs
+    F0 F1 B0 F2 B1 F3 …: microbatches 2 and 3 free that input in forwards that run after a backward began, and
+    hold it as much as microbatches 0 and 1."""
+    from sacplan.models import get_model
+    from sacplan.pipeline.presets import preset_pipeline
+
+    fns, toks, loss = preset_pipeline(get_model("llama-tiny"), 2, batch=4, seq=64, dtype=torch.bfloat16)
+    stats = collect_pipeline(fns, toks, schedule="1F1B", microbatches=4, loss_fn=loss, target=toks, device="cpu")
+    assert stats[0].module("layers.0.ffn_norm").held_input_bytes == (8192,) * 4
+    assert stats[1].module("layers.1.ffn_norm").held_input_bytes == (8192,) * 4
