@@ -39,7 +39,7 @@ from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
-from sacplan.compiled_partition import partitioned_step
+from sacplan.compiled_partition import compiled_step
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
 from sacplan.compiled_saves import with_compiled_saves
 from sacplan.compiling import compile_choice, compile_model
@@ -474,23 +474,31 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
     if missing:
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
     prediction = predict(tree, choices)
-    if how is not None and not replayed:
-        prediction = dataclasses.replace(prediction, baseline_peak_bytes=_partitioned_peak(
-            build, raw_inputs, regions, spec, opt_factory, loss, prediction.baseline_peak_bytes))
+    if how is not None:
+        prediction = _compiled_peaks(build, raw_inputs, plan, regions, spec, opt_factory, loss, prediction)
     return _HostPrediction(stats, prediction, blocks, how)
 
 
-def _partitioned_peak(build: Callable[[], nn.Module], raw_inputs: Inputs, regions: tuple[str, ...], spec: DeviceSpec,
-                      opt_factory: Any, loss: Callable[..., torch.Tensor], eager_peak: int) -> int:
-    """The compiled step's peak without a plan (bytes): the fake step of Inductor's partitioned graphs
-    (:mod:`sacplan.compiled_partition`); ``eager_peak`` (a bound) with a warning where they cannot be traced."""
-    try:
-        return partitioned_step(build, raw_inputs, regions, device=spec,
-                                optimizer=False if opt_factory is None else opt_factory, loss_fn=loss).peak_bytes
-    except Exception as e:  # a region AOTAutograd cannot trace on fakes: the eager bound still holds
-        warnings.warn(f"compiled regions could not be traced for the prediction ({type(e).__name__}: {str(e)[:200]}); "
-                      "predicting the step without a plan from the eager step (an upper bound)", stacklevel=3)
-        return eager_peak
+def _compiled_peaks(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: Any, regions: tuple[str, ...],
+                    spec: DeviceSpec, opt_factory: Any, loss: Callable[..., torch.Tensor], bound: Any) -> Any:
+    """``bound`` (the plan's evaluation on the compiled stats: upper bounds) with the compiled step's peaks without
+    and with the plan (bytes) from fake steps of the regions compiled as Inductor compiles them
+    (:func:`~sacplan.compiled_partition.compiled_step`); a peak whose regions cannot be traced keeps its bound,
+    with a warning."""
+    kwargs = {"device": spec, "optimizer": False if opt_factory is None else opt_factory, "loss_fn": loss}
+    peaks: dict[str, int] = {}
+    for name, p in (("baseline_peak_bytes", None), ("peak_bytes", plan)):
+        if p is not None and not getattr(p, "decisions", ()):
+            peaks[name] = peaks.get("baseline_peak_bytes", bound.baseline_peak_bytes)
+            continue
+        try:
+            peaks[name] = compiled_step(build, raw_inputs, regions, p, **kwargs).peak_bytes
+        except Exception as e:  # a region Dynamo or Inductor cannot compile on fakes: the bound still holds
+            which = "with" if p is not None else "without"
+            warnings.warn(f"compiled regions could not be traced for the prediction {which} the plan "
+                          f"({type(e).__name__}: {str(e)[:200]}); predicting that step from the eager step "
+                          "(an upper bound)", stacklevel=4)
+    return dataclasses.replace(bound, **peaks)
 
 
 def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str]) -> list[tuple[tuple[int, ...], int]]:

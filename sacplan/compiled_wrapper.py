@@ -1,0 +1,142 @@
+"""Inductor's own code for a compiled graph, run on fake tensors with its kernels left out.
+
+Inductor turns each graph AOTAutograd hands it (a compiled region's forward, its backward) into a Python
+*wrapper* that allocates every buffer (``empty_strided_cpu``), runs kernels into them, frees each buffer with
+``del`` after its last reader (or hands it to a later kernel of the same size: ``# reuse``), runs matmuls and
+fallbacks as library calls that allocate their outputs, and frees its inputs where it reads them last
+(``args.clear()``). The wrapper's order is the scheduler's (fusion, reordering for peak memory), its buffers are
+what the scheduler realized: it *is* what the compiled step allocates and frees, in that order.
+
+:func:`inner_compile` is a drop-in for Inductor's ``compile_fx_inner`` (``compile_fx(..., inner_compile=...)``):
+it runs Inductor's post-grad passes, lowering, scheduling and wrapper code generation on the graph, exactly as
+Inductor does, but compiles no kernel: the wrapper is loaded with each generated C++ (or Triton) kernel replaced
+by a no-op, and its allocations made by ``torch.empty_strided`` under the caller's mode. Run on fake tensors
+inside :func:`sacplan.collect` (:mod:`sacplan.compiled_partition`), it allocates and frees what the compiled
+graph does and computes nothing (its outputs' values are garbage: for memory only). Seconds per graph: no C++
+compiler runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sacplan.errors import UnsupportedModelError
+
+__all__ = ["inner_compile", "load_without_kernels", "wrapper_source"]
+
+#: the line of Inductor's wrapper that makes the kernel compiler (replaced: no kernel is compiled)
+_ASYNC_COMPILE = "async_compile = AsyncCompile()"
+#: devices whose ``empty_strided_<device>`` allocator the wrapper may call
+_DEVICES = ("cpu", "cuda", "xpu", "mtia")
+
+
+class _NoKernels:
+    """Stands in for Inductor's ``AsyncCompile`` in a loaded wrapper: every kernel it defines is a no-op."""
+
+    def wait(self, scope: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def __getattr__(self, name: str) -> Callable[..., Callable[..., None]]:
+        def define(*args: Any, **kwargs: Any) -> Callable[..., None]:
+            return _no_kernel
+
+        return define
+
+
+def _no_kernel(*args: Any, **kwargs: Any) -> None:
+    """A kernel that writes nothing (its buffers are allocated by the wrapper)."""
+
+
+def _empty_strided(device: str) -> Callable[..., torch.Tensor]:
+    """The wrapper's ``empty_strided_<device>`` through the dispatcher (the C++ original bypasses fake modes)."""
+    def empty(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return empty
+
+
+def _reinterpret_tensor(t: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> torch.Tensor:
+    """The wrapper's ``reinterpret_tensor`` (a view of ``t``'s storage, ``offset`` elements past ``t``'s) as a
+    dispatched ``as_strided``."""
+    return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
+def load_without_kernels(source: str) -> Callable[[list], Any]:
+    """The ``call(args)`` of Inductor wrapper ``source`` (boxed: ``args`` is a list, emptied), its kernels no-ops.
+
+    Raises:
+        UnsupportedModelError: ``source`` is not a Python wrapper of the form this module knows.
+    """
+    if _ASYNC_COMPILE not in source:
+        raise UnsupportedModelError("Inductor's wrapper code has an unknown form (no AsyncCompile line): "
+                                    f"torch {torch.__version__} is not supported for the compiled prediction")
+    namespace: dict[str, Any] = {"__name__": "sacplan_inductor_wrapper", "_sacplan_no_kernels": _NoKernels()}
+    exec(compile(source.replace(_ASYNC_COMPILE, "async_compile = _sacplan_no_kernels"), "<inductor wrapper>", "exec"),
+         namespace)
+    for device in _DEVICES:
+        namespace[f"empty_strided_{device}"] = _empty_strided(device)
+    namespace["reinterpret_tensor"] = _reinterpret_tensor
+    call = namespace.get("call")
+    if not callable(call):
+        raise UnsupportedModelError("Inductor's wrapper code defines no call(args)")
+    return call
+
+
+def wrapper_source(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_inference: bool = False,
+                   is_backward: bool = False, graph_id: int | None = None,
+                   get_decomp_fn: Callable[..., Any] | None = None) -> str:
+    """Inductor's Python wrapper for graph ``gm`` (AOTAutograd's forward or backward) on ``example_inputs``: the
+    steps of Inductor's ``fx_codegen_and_compile`` up to the generated code (``gm`` is changed in place)."""
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import shape_env_from_inputs
+    from torch._inductor.virtualized import V
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with DebugContext(), _disable_current_modes():
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_mode = cfx.fake_tensor_prop(gm, example_inputs)
+        cfx._recursive_record_original_output_strides(gm)
+        with V.set_fake_mode(fake_mode):
+            cfx._recursive_post_grad_passes(gm, is_inference=is_inference)
+            extra = {} if get_decomp_fn is None else {"get_decomp_fn": get_decomp_fn}
+            graph = GraphLowering(gm, example_inputs=example_inputs, shape_env=shape_env_from_inputs(example_inputs),
+                                  graph_id=graph_id, is_inference=is_inference, is_backward=is_backward, **extra)
+            graph.freeze_runtime_asserts()
+            with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
+                graph.run(*example_inputs)
+                return graph.codegen()[0].value
+
+
+def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[[list], Any]:
+    """Inductor's ``compile_fx_inner`` without kernels: :func:`wrapper_source`, then :func:`load_without_kernels`
+    (a boxed callable for fake tensors). Other keyword arguments of Inductor's (cudagraphs, static inputs) are
+    not used: no code runs on a device."""
+    source = wrapper_source(gm, example_inputs, is_inference=bool(kwargs.get("is_inference", False)),
+                            is_backward=bool(kwargs.get("is_backward", False)), graph_id=kwargs.get("graph_id"),
+                            get_decomp_fn=kwargs.get("get_decomp_fn"))
+    call = load_without_kernels(source)
+
+    def boxed(args: list) -> Any:
+        return call(args)
+
+    boxed._boxed_call = True  # type: ignore[attr-defined]
+    return boxed
+
+
+@contextlib.contextmanager
+def no_compiled_caches() -> Any:
+    """Inductor's and AOTAutograd's caches off: a cache hit would hand back the *compiled* graph of an earlier
+    real step (real kernels, which cannot run on fake tensors), and a kernel-less graph must not be stored."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, autotune_local_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False):
+        yield
