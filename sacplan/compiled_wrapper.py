@@ -25,7 +25,7 @@ import torch
 
 from sacplan.errors import UnsupportedModelError
 
-__all__ = ["inner_compile", "load_without_kernels", "wrapper_source"]
+__all__ = ["inner_compile", "load_without_kernels", "no_compiled_caches", "wrapper_source"]
 
 #: the line of Inductor's wrapper that makes the kernel compiler (replaced: no kernel is compiled)
 _ASYNC_COMPILE = "async_compile = AsyncCompile()"
@@ -87,9 +87,10 @@ def load_without_kernels(source: str) -> Callable[[list], Any]:
 
 def wrapper_source(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_inference: bool = False,
                    is_backward: bool = False, graph_id: int | None = None,
-                   get_decomp_fn: Callable[..., Any] | None = None) -> str:
-    """Inductor's Python wrapper for graph ``gm`` (AOTAutograd's forward or backward) on ``example_inputs``: the
-    steps of Inductor's ``fx_codegen_and_compile`` up to the generated code (``gm`` is changed in place)."""
+                   get_decomp_fn: Callable[..., Any] | None = None) -> tuple[str, list[tuple[int, ...] | None]]:
+    """Inductor's Python wrapper for graph ``gm`` (AOTAutograd's forward or backward) on ``example_inputs``, and the
+    strides Inductor gives the graph's outputs (``None``: not a tensor, or not static): the steps of Inductor's
+    ``fx_codegen_and_compile`` up to the generated code (``gm`` is changed in place)."""
     from torch._inductor import compile_fx as cfx
     from torch._inductor.debug import DebugContext
     from torch._inductor.fx_passes.post_grad import view_to_reshape
@@ -111,17 +112,35 @@ def wrapper_source(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, i
             graph.freeze_runtime_asserts()
             with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
                 graph.run(*example_inputs)
-                return graph.codegen()[0].value
+                strides = [_static_stride(out) for out in graph.graph_outputs or ()]
+                return graph.codegen()[0].value, strides
+
+
+def _static_stride(out: Any) -> tuple[int, ...] | None:
+    """The stride of a lowered graph output (an Inductor IR node) when it has one and it is static."""
+    from torch._inductor.ir import IRNode
+
+    if not (isinstance(out, IRNode) and out.has_tensor_output()):
+        return None
+    try:
+        return tuple(int(s) for s in out.get_layout().stride)
+    except TypeError:  # a symbolic stride
+        return None
 
 
 def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[[list], Any]:
     """Inductor's ``compile_fx_inner`` without kernels: :func:`wrapper_source`, then :func:`load_without_kernels`
-    (a boxed callable for fake tensors). Other keyword arguments of Inductor's (cudagraphs, static inputs) are
-    not used: no code runs on a device."""
-    source = wrapper_source(gm, example_inputs, is_inference=bool(kwargs.get("is_inference", False)),
+    (a boxed callable for fake tensors). As Inductor does, the strides of the graph's outputs go to the tracing
+    context: AOTAutograd gives the backward graph's saved inputs the layout the forward made (channels-last
+    convolution outputs). Other keyword arguments of Inductor's (cudagraphs, static inputs) are not used: no code
+    runs on a device."""
+    source, strides = wrapper_source(gm, example_inputs, is_inference=bool(kwargs.get("is_inference", False)),
                             is_backward=bool(kwargs.get("is_backward", False)), graph_id=kwargs.get("graph_id"),
                             get_decomp_fn=kwargs.get("get_decomp_fn"))
     call = load_without_kernels(source)
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.output_strides is not None:
+        context.output_strides.extend(strides)
 
     def boxed(args: list) -> Any:
         return call(args)
