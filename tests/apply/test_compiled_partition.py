@@ -100,16 +100,15 @@ def test_compiled_step_of_an_mlp_is_the_eager_step():
     assert abs(replayed.peak_bytes - eager.peak_bytes) <= 512
 
 
-def _small(n: int = 2, d: int = 32) -> nn.Module:
-    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-                           for _ in range(n)])
+def _small(n: int = 2, d: int = 16) -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)])
 
 
 def test_a_planned_compiled_step_is_predicted_within_3_percent():
-    """Two LayerNorm-MLP blocks, block 0 fully checkpointed, each block compiled by Inductor (real C++ kernels on
+    """Two MLP blocks, block 0 fully checkpointed, each block compiled by Inductor (real C++ kernels on
     this CPU): measured <= predicted, within 3%, without and with the plan (exact when measured, 2026-11-26)."""
     torch.manual_seed(0)
-    x = torch.randn(64, 32)
+    x = torch.randn(32, 16)
     tree = sacplan.ModuleTree(sacplan.collect(_small, (x,), device="cpu", optimizer=False))
     plan = plan_from_choices(tree, {"0": None}, "block 0 fully checkpointed")
     r = sacplan.validate(_small, (x,), plan, compile=True, optimizer=False, timed_steps=0)
@@ -124,6 +123,7 @@ def _encoder() -> nn.Module:
     return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
 
 
+@pytest.mark.slow  # ~45 s on 2 loaded cores: Inductor generates the kernels of attention (not compiled)
 def test_a_transformer_block_saves_less_under_compile():
     """nn.TransformerEncoderLayer: Inductor decomposes attention and layer norm and recomputes their cheap
     pointwise parts; the compiled step peaks below the eager one."""
