@@ -381,15 +381,14 @@ def validate(
             before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
         compile: run both steps compiled with Inductor (:mod:`sacplan.compiling`): ``True`` compiles each
             repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
-            choose. The plan is applied before compiling. The prediction is for the compiled step. Without the
-            plan: a fake step running Inductor's own forward/backward partition of each compiled region with its
-            buffer model (:mod:`sacplan.compiled_partition`; measured on CPU within 0.6% and at or above the
-            compiled step), or, for regions with convolutions Inductor lays out channels-last, the eager step with
-            those copies replayed (:mod:`sacplan.compiled_layout`). With the plan: the plan's evaluation on the
-            eager step's stats with what a planned compiled region saves beyond eager
-            (:mod:`sacplan.compiled_saves`), a bound (measured 0-29% above the compiled step: the partitioner's
-            recomputation around a plan is not modelled). Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
-            nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
+            choose. The plan is applied before compiling. The prediction is for the compiled step, without and
+            with the plan: a fake step with each compiled region compiled on fake tensors as ``torch.compile``
+            compiles it, Inductor's own generated code run without kernels (:mod:`sacplan.compiled_partition`;
+            measured on CPU exact to the byte on transformers, conv nets and MLPs). A step whose regions cannot be
+            traced that way keeps a bound, with a warning: the eager step (its layout copies replayed where
+            Inductor runs convolutions channels-last, :mod:`sacplan.compiled_layout`) with what a planned compiled
+            region saves beyond eager (:mod:`sacplan.compiled_saves`). Recomputed FLOPs are not counted (a
+            dispatch mode would run the step eagerly), nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
             all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
             draw different ones.
 
@@ -510,10 +509,10 @@ def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str])
 
 def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, opt_factory: Any,
                     loss: Callable[..., torch.Tensor], regions: tuple[str, ...], replayed: bool) -> Any:
-    """The stats a plan is evaluated on for the step as Inductor compiles it: where the compiled regions hold
-    convolutions Inductor runs channels-last (``replayed``), a second fake step with its layout copies replayed
-    (:mod:`sacplan.compiled_layout`); and what a planned compiled region saves beyond eager
-    (:mod:`sacplan.compiled_saves`)."""
+    """The stats a plan is evaluated on for the step as Inductor compiles it (the bound :func:`_compiled_peaks`
+    falls back to): where the compiled regions hold convolutions Inductor runs channels-last (``replayed``), a
+    second fake step with its layout copies replayed (:mod:`sacplan.compiled_layout`); and what a planned
+    compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
     if replayed:
         stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
                         optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
