@@ -118,6 +118,27 @@ def test_a_planned_compiled_step_is_predicted_within_3_percent():
     assert r.planned.peak_bytes < r.baseline.peak_bytes
 
 
+def test_regions_that_cannot_be_traced_keep_the_bound(monkeypatch):
+    """Where the regions cannot be compiled on fakes, validate warns and predicts each step from the eager step
+    (the bound of sacplan.compiled_saves): at or above the compiled step. Same model and plan as above (the
+    compiled graphs are Inductor's cached ones)."""
+    import sacplan.validation
+
+    def untraceable(*args, **kwargs):
+        raise UnsupportedModelError("no trace in this test")
+
+    monkeypatch.setattr(sacplan.validation, "compiled_step", untraceable)
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    tree = sacplan.ModuleTree(sacplan.collect(_small, (x,), device="cpu", optimizer=False))
+    plan = plan_from_choices(tree, {"0": None}, "block 0 fully checkpointed")
+    with pytest.warns(UserWarning, match="could not be traced .* without the plan") as caught:
+        r = sacplan.validate(_small, (x,), plan, compile=True, optimizer=False, timed_steps=0)
+    assert any("with the plan" in str(w.message) for w in caught)
+    assert r.predicted_baseline_peak_bytes == tree.stats.peak_bytes  # the eager step's peak
+    assert r.baseline_peak_error <= 0 and r.peak_error <= 0, r.summary()
+
+
 def _encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.1, batch_first=True)
     return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
