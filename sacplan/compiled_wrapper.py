@@ -39,15 +39,22 @@ class _NoKernels:
     def wait(self, scope: Any = None) -> None:
         """Nothing to wait for."""
 
-    def __getattr__(self, name: str) -> Callable[..., Callable[..., None]]:
-        def define(*args: Any, **kwargs: Any) -> Callable[..., None]:
-            return _no_kernel
+    def __getattr__(self, name: str) -> Callable[..., "_NoKernel"]:
+        def define(*args: Any, **kwargs: Any) -> _NoKernel:
+            return _NoKernel()
 
         return define
 
 
-def _no_kernel(*args: Any, **kwargs: Any) -> None:
-    """A kernel that writes nothing (its buffers are allocated by the wrapper)."""
+class _NoKernel:
+    """A kernel that writes nothing (its buffers are allocated by the wrapper): called as a C++ kernel is,
+    ``kernel(*buffers)``, or launched as a Triton kernel is, ``kernel.run(*buffers, stream=...)``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def _empty_strided(device: str) -> Callable[..., torch.Tensor]:
