@@ -10,10 +10,11 @@ what the scheduler realized: it *is* what the compiled step allocates and frees,
 :func:`inner_compile` is a drop-in for Inductor's ``compile_fx_inner`` (``compile_fx(..., inner_compile=...)``):
 it runs Inductor's post-grad passes, lowering, scheduling and wrapper code generation on the graph, exactly as
 Inductor does, but compiles no kernel: the wrapper is loaded with each generated C++ (or Triton) kernel replaced
-by a no-op, and its allocations made by ``torch.empty_strided`` under the caller's mode. Run on fake tensors
-inside :func:`sacplan.collect` (:mod:`sacplan.compiled_partition`), it allocates and frees what the compiled
-graph does and computes nothing (its outputs' values are garbage: for memory only). Seconds per graph: no C++
-compiler runs.
+by a no-op, and its allocations made by ``torch.empty_strided`` under the caller's mode; the random-number
+higher-order operators of checkpointed regions (``run_and_save_rng_state``, ``run_with_rng_state``) run as
+plain ops beside a generator-state-sized tensor. Run on fake tensors inside :func:`sacplan.collect`
+(:mod:`sacplan.compiled_partition`), it allocates and frees what the compiled graph does and computes nothing
+(its outputs' values are garbage: for memory only). Seconds per graph: no C++ compiler runs.
 """
 
 from __future__ import annotations
@@ -71,6 +72,30 @@ def _reinterpret_tensor(t: torch.Tensor, size: Sequence[int], stride: Sequence[i
     return t.as_strided(size, stride, t.storage_offset() + offset)
 
 
+def _run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The wrapper's ``torch.ops.higher_order.run_and_save_rng_state`` (a random op in a checkpointed region,
+    its generator state kept for the recomputation) as plain ops: the state, a host ``uint8`` tensor the size of
+    the device generator's (CPU: ``torch.get_rng_state()``; CUDA: 16 bytes), and the op's output."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    size = torch.get_rng_state().numel() if device.type == "cpu" else _CUDA_RNG_STATE_BYTES
+    return torch.empty(size, dtype=torch.uint8, device="cpu"), op(*args, **kwargs)
+
+
+def _run_with_rng_state(state: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The wrapper's ``torch.ops.higher_order.run_with_rng_state`` (the recomputation of a random op) as the op."""
+    return op(*args, **kwargs)
+
+
+#: bytes of a CUDA generator's state (``torch.cuda.get_rng_state()``: seed and offset), kept on the host
+_CUDA_RNG_STATE_BYTES = 16
+#: higher-order operators the wrapper calls, run as plain ops (a dispatch mode such as the fake step's
+#: recorder has no rule for them)
+_HIGHER_ORDER_CALLS = {
+    "torch.ops.higher_order.run_and_save_rng_state(": "_sacplan_run_and_save_rng_state(",
+    "torch.ops.higher_order.run_with_rng_state(": "_sacplan_run_with_rng_state(",
+}
+
+
 def load_without_kernels(source: str) -> Callable[[list], Any]:
     """The ``call(args)`` of Inductor wrapper ``source`` (boxed: ``args`` is a list, emptied), its kernels no-ops.
 
@@ -80,9 +105,13 @@ def load_without_kernels(source: str) -> Callable[[list], Any]:
     if _ASYNC_COMPILE not in source:
         raise UnsupportedModelError("Inductor's wrapper code has an unknown form (no AsyncCompile line): "
                                     f"torch {torch.__version__} is not supported for the compiled prediction")
-    namespace: dict[str, Any] = {"__name__": "sacplan_inductor_wrapper", "_sacplan_no_kernels": _NoKernels()}
-    exec(compile(source.replace(_ASYNC_COMPILE, "async_compile = _sacplan_no_kernels"), "<inductor wrapper>", "exec"),
-         namespace)
+    namespace: dict[str, Any] = {"__name__": "sacplan_inductor_wrapper", "_sacplan_no_kernels": _NoKernels(),
+                                 "_sacplan_run_and_save_rng_state": _run_and_save_rng_state,
+                                 "_sacplan_run_with_rng_state": _run_with_rng_state}
+    source = source.replace(_ASYNC_COMPILE, "async_compile = _sacplan_no_kernels")
+    for call, plain in _HIGHER_ORDER_CALLS.items():
+        source = source.replace(call, plain)
+    exec(compile(source, "<inductor wrapper>", "exec"), namespace)
     for device in _DEVICES:
         namespace[f"empty_strided_{device}"] = _empty_strided(device)
     namespace["reinterpret_tensor"] = _reinterpret_tensor

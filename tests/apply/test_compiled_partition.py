@@ -55,6 +55,28 @@ def test_inductors_wrapper_runs_without_kernels_on_fakes():
     assert t.untyped_storage().nbytes() == 8 * 32 * 4
 
 
+def test_random_ops_of_checkpointed_regions_run_as_plain_ops():
+    """A checkpointed region's random op (flash attention has a dropout argument) runs in the wrapper as
+    ``run_and_save_rng_state`` (the generator state kept for the recomputation: 5056 bytes for CPU's) and
+    ``run_with_rng_state``; a dispatch mode (the fake step's recorder) has no rule for higher-order operators:
+    they run as the op beside a state-sized tensor."""
+    source = (
+        "import torch\nfrom torch._inductor.async_compile import AsyncCompile\nasync_compile = AsyncCompile()\n"
+        "def call(args):\n"
+        "    x, = args\n"
+        "    args.clear()\n"
+        "    state, y = torch.ops.higher_order.run_and_save_rng_state(torch.ops.aten.relu.default, x)\n"
+        "    z = torch.ops.higher_order.run_with_rng_state(state, torch.ops.aten.relu.default, x)\n"
+        "    return state, y, z\n"
+    )
+    with FakeTensorMode() as mode:
+        x = torch.randn(4, 8)
+    with mode, _Ops() as ops:
+        state, y, z = load_without_kernels(source)([x])
+    assert state.dtype == torch.uint8 and state.numel() == torch.get_rng_state().numel() == 5056
+    assert ops.ops == ["empty", "relu", "relu"] and y.shape == z.shape == (4, 8)
+
+
 def test_an_unknown_wrapper_is_refused():
     with pytest.raises(UnsupportedModelError, match="unknown form"):
         load_without_kernels("def call(args):\n    return ()\n")
