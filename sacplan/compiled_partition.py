@@ -72,7 +72,8 @@ class CompiledRegion:
         try:
             graph_out = self.call(*flat)
         except AssertionError as e:  # the wrapper's assert_size_stride: another layout than traced
-            raise UnsupportedModelError(f"a compiled region was called on other shapes or strides than traced: {e}") from e
+            raise UnsupportedModelError(f"a compiled region was called on other shapes or strides than traced: {e}"
+                                        ) from e
         leaves = [graph_out[v] if kind == _GRAPH else v for kind, v in self.outputs]
         return pytree.tree_unflatten(leaves, self.out_spec)
 
@@ -179,8 +180,8 @@ def _signature(region: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return repr(t)
 
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
-                    for n, t in (*region.named_parameters(remove_duplicate=False), *region.named_buffers(remove_duplicate=False)))
+    named = (*region.named_parameters(remove_duplicate=False), *region.named_buffers(remove_duplicate=False))
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in named)
     return (type(region), tensors, str(spec), tuple(sig(t) for t in leaves))
 
 

@@ -388,9 +388,9 @@ def validate(
             traced that way keeps a bound, with a warning: the eager step (its layout copies replayed where
             Inductor runs convolutions channels-last, :mod:`sacplan.compiled_layout`) with what a planned compiled
             region saves beyond eager (:mod:`sacplan.compiled_saves`). Recomputed FLOPs are not counted (a
-            dispatch mode would run the step eagerly), nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
-            all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
-            draw different ones.
+            dispatch mode would run the step eagerly), nor is the tracker cross-check; gradients are compared
+            within ``grad_rtol`` / ``grad_atol``, and not at all (``grads_compared=False``) when the step draws
+            random numbers (dropout): the two compiled graphs draw different ones.
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
