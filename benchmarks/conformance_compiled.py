@@ -5,7 +5,8 @@
 
 Per model: :func:`sacplan.validate` with ``compile=True`` (each repeated block compiled, as torchtitan does;
 ``--compile model`` for the whole model) at one of the suite's budgets (default midway), beside the prediction
-for the compiled step (``sacplan.compiled_layout``, ``sacplan.compiled_saves``): measured and predicted peaks
+for the compiled step (``sacplan.compiled_partition``: each block compiled on fake tensors, Inductor's code run
+without kernels in a fake step; the seconds it took are printed after each row): measured and predicted peaks
 without and with the plan, error = (measured - predicted) / measured (negative: the compiled step needs less
 than predicted), gradients (compiled steps are not always bitwise equal: Inductor fuses differently with
 recomputation). Set ``TORCHINDUCTOR_CACHE_DIR`` to reuse compiled code between runs. Recomputed FLOPs are not counted under compile. Uses the
@@ -64,8 +65,9 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             case, plan = _extra_case(n, args.budget, tc) if n in EXTRA else (tc._setup(n)[0], tc._plan(n, args.budget))
+            stages: list[float] = []
             r = validate(case.build, case.inputs, plan, loss_fn=case.loss, optimizer=False, device="cpu",
-                         compile=args.compile, timed_steps=0)
+                         compile=args.compile, timed_steps=0, progress=lambda _s: stages.append(time.perf_counter()))
             grads = "bitwise" if r.grads_bitwise_equal else f"max diff {r.max_grad_abs_diff:.2g}" + (
                 "" if r.grads_match else " NO" if r.grads_compared else " (dropout: not compared)")
             print(f"| {n} | {args.budget} | {r.compiled} | {len(plan.decisions)} | "
@@ -73,7 +75,8 @@ def main() -> None:
                   f"{r.predicted_peak_bytes / 2**20:.3f} | {r.planned.peak_bytes / 2**20:.3f} | {r.peak_error:+.2%} | {grads} |",
                   flush=True)
             print(f"<!-- {n} bytes, predicted / measured: no plan {r.predicted_baseline_peak_bytes} / {r.baseline.peak_bytes}, "
-                  f"with plan {r.predicted_peak_bytes} / {r.planned.peak_bytes} -->", flush=True)
+                  f"with plan {r.predicted_peak_bytes} / {r.planned.peak_bytes}; prediction "
+                  f"{stages[1] - stages[0]:.1f} s -->", flush=True)
         except Exception as e:  # report and go on: the table is what matters
             print(f"| {n} | {args.budget} | — | — | — | — | — | — | — | {type(e).__name__}: {str(e)[:300]} | |", flush=True)
         print(f"<!-- {n}: {time.perf_counter() - t0:.1f} s -->", flush=True)

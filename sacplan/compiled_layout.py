@@ -1,5 +1,8 @@
 """Inductor's layout optimization, replayed on the eager model so that a fake step sees its memory.
 
+The bound :func:`sacplan.validation.validate` keeps for compiled regions with convolutions that cannot be
+compiled on fake tensors (:mod:`sacplan.compiled_partition` reproduces Inductor's layouts for the others).
+
 When a graph Inductor compiles contains a 2-D convolution, it may run the graph's convolutions in
 channels-last layout (``torch._inductor.graph.GraphLowering.decide_layout_opt``): on CPU with oneDNN always,
 on CUDA unless a heuristic says it would be slower. What that costs in memory (measured on a compiled

@@ -1,5 +1,8 @@
 """What a compiled, planned region saves beyond the eager step: the selective-checkpoint policy under Inductor.
 
+The bound :func:`sacplan.validation.validate` keeps for a planned compiled step whose regions cannot be compiled
+on fake tensors (:mod:`sacplan.compiled_partition` predicts the others exactly).
+
 Under ``torch.compile`` the plan's policy is applied to the traced graph, where each op is already decomposed
 into the primitives Inductor compiles: every node of a saved op's decomposition is tagged "must save", and the
 partitioner saves those the backward reads. For ``native_layer_norm`` the backward reads the normalized input

@@ -8,11 +8,11 @@
 Compiling in place keeps module names, so a plan applied before compiling (torchtitan's order: checkpointing,
 then compile) is found and removed as usual. A block whose forward is PyTorch's own (``nn.Sequential``) is
 compiled through a frame of sacplan's (``Module.compile()`` alone would leave it eager). What compile changes in
-memory, and how :func:`sacplan.validation.validate` predicts it: :mod:`sacplan.compiled_partition` (what
-Inductor's partitioner saves and which buffers its kernels allocate, replayed in a fake step: the step without a
-plan), :mod:`sacplan.compiled_layout` (Inductor's channels-last copies for convolutions) and
-:mod:`sacplan.compiled_saves` (what a planned compiled region saves beyond eager; the partitioner's
-recomputation around a plan is not modelled: it only lowers the compiled peak). Measured figures:
+memory, and how :func:`sacplan.validation.validate` predicts it: :mod:`sacplan.compiled_partition` (each region
+compiled on fake tensors as ``torch.compile`` compiles it, Inductor's generated code run without kernels in a
+fake step: the steps without and with a plan), and the bounds kept where a region cannot be traced that way:
+:mod:`sacplan.compiled_layout` (Inductor's channels-last copies for convolutions) and
+:mod:`sacplan.compiled_saves` (what a planned compiled region saves beyond eager). Measured figures:
 ``benchmarks/RESULTS.md``, "Compiled steps".
 """
 

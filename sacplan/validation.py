@@ -39,7 +39,7 @@ from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.workspace import profiled_cpu_peak
-from sacplan.compiled_partition import partitioned_step
+from sacplan.compiled_partition import compiled_step
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
 from sacplan.compiled_saves import with_compiled_saves
 from sacplan.compiling import compile_choice, compile_model
@@ -381,17 +381,16 @@ def validate(
             before any real step, as :func:`~sacplan.apply.apply_plan` would after them.
         compile: run both steps compiled with Inductor (:mod:`sacplan.compiling`): ``True`` compiles each
             repeated block as torchtitan does (the whole model when it has none), ``"blocks"`` / ``"model"``
-            choose. The plan is applied before compiling. The prediction is for the compiled step. Without the
-            plan: a fake step running Inductor's own forward/backward partition of each compiled region with its
-            buffer model (:mod:`sacplan.compiled_partition`; measured on CPU within 0.6% and at or above the
-            compiled step), or, for regions with convolutions Inductor lays out channels-last, the eager step with
-            those copies replayed (:mod:`sacplan.compiled_layout`). With the plan: the plan's evaluation on the
-            eager step's stats with what a planned compiled region saves beyond eager
-            (:mod:`sacplan.compiled_saves`), a bound (measured 0-29% above the compiled step: the partitioner's
-            recomputation around a plan is not modelled). Recomputed FLOPs are not counted (a dispatch mode would run the step eagerly),
-            nor is the tracker cross-check; gradients are compared within ``grad_rtol`` / ``grad_atol``, and not at
-            all (``grads_compared=False``) when the step draws random numbers (dropout): the two compiled graphs
-            draw different ones.
+            choose. The plan is applied before compiling. The prediction is for the compiled step, without and
+            with the plan: a fake step with each compiled region compiled on fake tensors as ``torch.compile``
+            compiles it, Inductor's own generated code run without kernels (:mod:`sacplan.compiled_partition`;
+            measured on CPU exact to the byte on transformers, conv nets and MLPs). A step whose regions cannot be
+            traced that way keeps a bound, with a warning: the eager step (its layout copies replayed where
+            Inductor runs convolutions channels-last, :mod:`sacplan.compiled_layout`) with what a planned compiled
+            region saves beyond eager (:mod:`sacplan.compiled_saves`). Recomputed FLOPs are not counted (a
+            dispatch mode would run the step eagerly), nor is the tracker cross-check; gradients are compared
+            within ``grad_rtol`` / ``grad_atol``, and not at all (``grads_compared=False``) when the step draws
+            random numbers (dropout): the two compiled graphs draw different ones.
 
     Raises:
         ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
@@ -474,23 +473,31 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
     if missing:
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
     prediction = predict(tree, choices)
-    if how is not None and not replayed:
-        prediction = dataclasses.replace(prediction, baseline_peak_bytes=_partitioned_peak(
-            build, raw_inputs, regions, spec, opt_factory, loss, prediction.baseline_peak_bytes))
+    if how is not None:
+        prediction = _compiled_peaks(build, raw_inputs, plan, regions, spec, opt_factory, loss, prediction)
     return _HostPrediction(stats, prediction, blocks, how)
 
 
-def _partitioned_peak(build: Callable[[], nn.Module], raw_inputs: Inputs, regions: tuple[str, ...], spec: DeviceSpec,
-                      opt_factory: Any, loss: Callable[..., torch.Tensor], eager_peak: int) -> int:
-    """The compiled step's peak without a plan (bytes): the fake step of Inductor's partitioned graphs
-    (:mod:`sacplan.compiled_partition`); ``eager_peak`` (a bound) with a warning where they cannot be traced."""
-    try:
-        return partitioned_step(build, raw_inputs, regions, device=spec,
-                                optimizer=False if opt_factory is None else opt_factory, loss_fn=loss).peak_bytes
-    except Exception as e:  # a region AOTAutograd cannot trace on fakes: the eager bound still holds
-        warnings.warn(f"compiled regions could not be traced for the prediction ({type(e).__name__}: {str(e)[:200]}); "
-                      "predicting the step without a plan from the eager step (an upper bound)", stacklevel=3)
-        return eager_peak
+def _compiled_peaks(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: Any, regions: tuple[str, ...],
+                    spec: DeviceSpec, opt_factory: Any, loss: Callable[..., torch.Tensor], bound: Any) -> Any:
+    """``bound`` (the plan's evaluation on the compiled stats: upper bounds) with the compiled step's peaks without
+    and with the plan (bytes) from fake steps of the regions compiled as Inductor compiles them
+    (:func:`~sacplan.compiled_partition.compiled_step`); a peak whose regions cannot be traced keeps its bound,
+    with a warning."""
+    kwargs = {"device": spec, "optimizer": False if opt_factory is None else opt_factory, "loss_fn": loss}
+    peaks: dict[str, int] = {}
+    for name, p in (("baseline_peak_bytes", None), ("peak_bytes", plan)):
+        if p is not None and not getattr(p, "decisions", ()):
+            peaks[name] = peaks.get("baseline_peak_bytes", bound.baseline_peak_bytes)
+            continue
+        try:
+            peaks[name] = compiled_step(build, raw_inputs, regions, p, **kwargs).peak_bytes
+        except Exception as e:  # a region Dynamo or Inductor cannot compile on fakes: the bound still holds
+            which = "with" if p is not None else "without"
+            warnings.warn(f"compiled regions could not be traced for the prediction {which} the plan "
+                          f"({type(e).__name__}: {str(e)[:200]}); predicting that step from the eager step "
+                          "(an upper bound)", stacklevel=4)
+    return dataclasses.replace(bound, **peaks)
 
 
 def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str]) -> list[tuple[tuple[int, ...], int]]:
@@ -502,10 +509,10 @@ def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str])
 
 def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, opt_factory: Any,
                     loss: Callable[..., torch.Tensor], regions: tuple[str, ...], replayed: bool) -> Any:
-    """The stats a plan is evaluated on for the step as Inductor compiles it: where the compiled regions hold
-    convolutions Inductor runs channels-last (``replayed``), a second fake step with its layout copies replayed
-    (:mod:`sacplan.compiled_layout`); and what a planned compiled region saves beyond eager
-    (:mod:`sacplan.compiled_saves`)."""
+    """The stats a plan is evaluated on for the step as Inductor compiles it (the bound :func:`_compiled_peaks`
+    falls back to): where the compiled regions hold convolutions Inductor runs channels-last (``replayed``), a
+    second fake step with its layout copies replayed (:mod:`sacplan.compiled_layout`); and what a planned
+    compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
     if replayed:
         stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
                         optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
