@@ -168,12 +168,13 @@ def mutated(draw, doc):
         places = list(_paths(doc))
         container, key = draw(st.sampled_from(places))
         kind = draw(st.sampled_from(["set", "delete", "extra", "duplicate"]))
+        # copies: st.just hands out one shared object, which a later "duplicate" would grow for every example after
         if kind == "set":
-            container[key] = draw(_VALUES)
+            container[key] = copy.deepcopy(draw(_VALUES))
         elif kind == "delete":
             del container[key]
         elif kind == "extra" and isinstance(container, dict):
-            container[draw(st.sampled_from(["extra", "fqn", "calls", "note"]))] = draw(_VALUES)
+            container[draw(st.sampled_from(["extra", "fqn", "calls", "note"]))] = copy.deepcopy(draw(_VALUES))
         elif kind == "duplicate" and isinstance(container, list):
             container.append(copy.deepcopy(container[key]))
     text = json.dumps(doc, allow_nan=True)
