@@ -80,7 +80,9 @@ def test_cli_validate_matches_the_python_api(proj, capsys, monkeypatch):
     api = real_validate(lambda: MLP(64), (x,), plan, loss_fn=lambda out: F.mse_loss(out, y))
     assert cli.predicted_baseline_peak_bytes == api.predicted_baseline_peak_bytes
     assert cli.predicted_peak_bytes == api.predicted_peak_bytes
-    assert cli.baseline.peak_bytes == api.baseline.peak_bytes and cli.planned.peak_bytes == api.planned.peak_bytes
+    # Two real steps: their CPU peaks may differ by a scratch buffer's placement under load (64 KiB seen at load 8).
+    for a, b in ((cli.baseline.peak_bytes, api.baseline.peak_bytes), (cli.planned.peak_bytes, api.planned.peak_bytes)):
+        assert abs(a - b) <= 0.01 * b, (a, b)
     assert cli.predicted_recompute_flops == api.predicted_recompute_flops == cli.measured_recompute_flops
     for r in (cli, api):  # and the prediction holds on the real step
         assert abs(r.peak_error) < 0.02 and abs(r.baseline_peak_error) < 0.02, r.summary()
