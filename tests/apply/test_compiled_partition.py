@@ -126,6 +126,12 @@ def _small(n: int = 2, d: int = 16) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)])
 
 
+def _within_3_percent_above(r) -> None:
+    """Both compiled steps measured at or below their prediction, within 3% (issue 28's target)."""
+    assert -0.03 <= r.baseline_peak_error <= 0, r.summary()
+    assert -0.03 <= r.peak_error <= 0, r.summary()
+
+
 def test_a_planned_compiled_step_is_predicted_within_3_percent():
     """Two MLP blocks, block 0 fully checkpointed, each block compiled by Inductor (real C++ kernels on
     this CPU): measured <= predicted, within 3%, without and with the plan (exact when measured, 2026-11-26)."""
@@ -135,8 +141,7 @@ def test_a_planned_compiled_step_is_predicted_within_3_percent():
     plan = plan_from_choices(tree, {"0": None}, "block 0 fully checkpointed")
     r = sacplan.validate(_small, (x,), plan, compile=True, optimizer=False, timed_steps=0)
     assert "2 repeated blocks compiled" in r.compiled
-    assert -0.03 <= r.baseline_peak_error <= 0, r.summary()
-    assert -0.03 <= r.peak_error <= 0, r.summary()
+    _within_3_percent_above(r)
     assert r.planned.peak_bytes < r.baseline.peak_bytes
 
 
@@ -184,8 +189,7 @@ def test_compiled_transformer_is_predicted_within_3_percent():
     plan = plan_from_choices(tree, {"layers.0": None}, "block 0 fully checkpointed")
     r = sacplan.validate(_encoder, (x,), plan, compile=True, optimizer=False, timed_steps=0)
     assert "3 repeated blocks compiled" in r.compiled
-    assert -0.03 <= r.baseline_peak_error <= 0, r.summary()
-    assert -0.03 <= r.peak_error <= 0, r.summary()
+    _within_3_percent_above(r)
 
 
 @pytest.mark.slow  # ~2-4 min
@@ -207,5 +211,4 @@ def test_compiled_llama_with_a_selective_plan_is_predicted_within_3_percent():
     plan = solve(tree, Bytes((lo + hi) // 2), gap_rel=0.02, time_limit_s=10)
     assert plan.decisions
     r = sacplan.validate(build, x, plan, loss_fn=p.loss_fn, optimizer=False, compile=True, timed_steps=0)
-    assert -0.03 <= r.baseline_peak_error <= 0, r.summary()
-    assert -0.03 <= r.peak_error <= 0, r.summary()
+    _within_3_percent_above(r)
