@@ -79,7 +79,7 @@ def conformance_snapshot() -> dict[str, object]:
     from sacplan.solver import solve
 
     root = Path(__file__).resolve().parents[1] / "tests" / "conformance"
-    sys.path.insert(0, str(root))
+    sys.path[:0] = [str(root), str(root.parents[1])]  # the suite imports tests.conformance._longtail
     import conftest  # noqa: F401  (torchvision op schemas before anything imports torchvision)
 
     spec = importlib.util.spec_from_file_location("conformance_suite", root / "test_conformance.py")
@@ -105,11 +105,17 @@ def conformance_snapshot() -> dict[str, object]:
 
 
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Snapshot the plans solve returns, or compare two snapshots.")
+    ap.add_argument("out", nargs="?", help="the JSON file to write the snapshot to")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print the entries that differ")
+    ap.add_argument("--conformance", action="store_true", help="also the tiny conformance models")
+    ap.add_argument("--graph", action="store_true", help="also sac_milp on PyTorch's Graph")
+    args = ap.parse_args()
     warnings.simplefilter("ignore")
-    conformance, graph = "--conformance" in sys.argv, "--graph" in sys.argv
-    sys.argv = [a for a in sys.argv if a not in ("--conformance", "--graph")]
-    if sys.argv[1:2] == ["--compare"]:
-        a, b = (json.load(open(p)) for p in sys.argv[2:4])
+    if args.compare:
+        a, b = (json.load(open(p)) for p in args.compare)
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         for k in diff:
             x, y = a.get(k), b.get(k)
@@ -119,12 +125,15 @@ def main() -> int:
         if not diff:
             print(f"all {len(a)} entries equal")
         return 1 if diff else 0
+    if not args.out:
+        ap.error("name the snapshot file to write (or --compare BEFORE AFTER)")
     out = snapshot()
-    if conformance:
+    if args.conformance:
         out.update(conformance_snapshot())
-    if graph:
+    if args.graph:
         out.update(graph_snapshot())
-    json.dump(out, open(sys.argv[1], "w"), indent=0)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=0)
     return 0
 
 
