@@ -315,7 +315,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if spec.preset is None and (args.batch is not None or args.seq is not None):
         raise _UsageError("--batch/--seq apply to presets only; a file model's factory makes its own inputs")
     plan = load_plan(args.plan)
-    model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq)
+    if spec.preset is None and args.dtype is not None:
+        raise _UsageError("--dtype applies to presets only; a file model's factory builds it in its own dtype")
+    dtype = (args.dtype or DEFAULT_DTYPE) if spec.preset is not None else None  # as `sacplan plan` built it
+    model_fn, inputs_fn, loss_fn, opt = spec.validation_fns(args.batch, args.seq, dtype)
     kw: dict[str, Any] = {"device": args.on, "progress": _progress(args), "check_fingerprint": not args.no_fingerprint_check,
                           "compile": args.compile}
     if loss_fn is not None:
@@ -446,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
+    p.add_argument("--dtype", default=None, help="a preset's parameter dtype: the one its plan was made with "
+                                                 f"(default {DEFAULT_DTYPE}, as `sacplan plan`)")
     p.add_argument("--compile", nargs="?", const=True, default=False, choices=("blocks", "model"),
                    help="run both steps compiled (torch.compile, Inductor): each repeated block as torchtitan does "
                         "(default), or the whole model ('--compile model'); the plan is applied first")

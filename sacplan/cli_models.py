@@ -129,11 +129,17 @@ class ModelSpec:
             kw["loss_fn"] = loss_fn
         return collect(model, inputs, device=device, dtype=dtype, model_name=self.label, progress=progress, **kw)
 
-    def validation_fns(self, batch: int | None, seq: int | None) -> tuple[Callable[[], Any], Callable[[], Any], Any, Any]:
-        """``(model_fn, inputs_fn, loss_fn, optimizer)`` for :func:`sacplan.validation.validate`."""
+    def validation_fns(
+        self, batch: int | None, seq: int | None, dtype: str | None = None,
+    ) -> tuple[Callable[[], Any], Callable[[], Any], Any, Any]:
+        """``(model_fn, inputs_fn, loss_fn, optimizer)`` for :func:`sacplan.validation.validate`; a preset is built
+        in ``dtype`` as :meth:`collect` builds it (its own casting rules: Llama keeps its rotary table fp32)."""
         if self.preset is not None:
-            p, ov = self.preset, dict(self.overrides or {})
-            return (lambda: p.build(**ov)), (lambda: p.example_inputs(batch, seq)), p.loss_fn, None
+            from sacplan.collector import parse_dtype
+
+            p, ov, td = self.preset, dict(self.overrides or {}), parse_dtype(dtype)
+            fd = td if td is not None and td.is_floating_point else None
+            return (lambda: p.build(dtype=td, **ov)), (lambda: p.example_inputs(batch, seq, dtype=fd)), p.loss_fn, None
         model, inputs, loss_fn, opt = self._user()
         state = {"first": True}
 

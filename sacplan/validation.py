@@ -160,10 +160,12 @@ class ValidationReport:
                 f"with plan {fmt_bytes(self.planned.tracker_peak_bytes or 0)}"
             )
         if self.plan_predicted_peak_bytes is not None:
+            same = self.plan_predicted_peak_bytes == self.predicted_peak_bytes and not self.compiled
             lines.append(
                 f"the plan's own prediction, for its target {self.plan_device_name or '(unknown)'}: peak "
-                f"{fmt_bytes(self.plan_predicted_peak_bytes)} (re-predicted above for this host, whose sizes and "
-                "kernels differ, so it can be measured here)"
+                f"{fmt_bytes(self.plan_predicted_peak_bytes)} " + ("(the same as re-predicted above for this host)"
+                if same else "(re-predicted above for this host and step, whose sizes, kernels or dtype may differ, "
+                "so it can be measured here)")
             )
         lines += list(self.notes)
         return "\n".join(lines)

@@ -269,6 +269,23 @@ def test_validate_preset(plan_file, capfd):
     assert "USDT" not in out + err  # the profiler's native log lines are filtered out
 
 
+def test_validate_builds_a_preset_in_the_dtype_plan_made_it(tmp_path, capfd):
+    """`sacplan plan PRESET --device cpu` plans the preset in bf16 (its default): `validate` on this CPU builds it
+    in bf16 too, so the host's prediction is the plan's own (it validated an fp32 model against a bf16 plan)."""
+    p = tmp_path / "p.json"
+    assert main(["plan", "llama-tiny", "--device", "cpu", "--budget", "1.7MiB", "-o", str(p), "-q"]) == 0
+    capfd.readouterr()
+    assert main(["validate", "llama-tiny", "--plan", str(p), "--on", "cpu", "-q"]) == 0
+    out = capfd.readouterr().out
+    assert "(the same as re-predicted above for this host)" in out, out
+    assert main(["validate", "llama-tiny", "--plan", str(p), "--on", "cpu", "-q", "--dtype", "fp32"]) == 0
+    assert "whose sizes, kernels or dtype may differ" in capfd.readouterr().out
+    f = tmp_path / "m.py"
+    f.write_text("import torch\ndef build():\n    return dict(model=torch.nn.Linear(4, 4), inputs=(torch.randn(2, 4),))\n")
+    assert main(["validate", f"{f}:build", "--plan", str(p), "--dtype", "bf16"]) == 2
+    assert "--dtype applies to presets only" in capfd.readouterr().err
+
+
 def test_python_m_sacplan_devices():
     r = subprocess.run([sys.executable, "-m", "sacplan", "devices"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
