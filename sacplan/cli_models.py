@@ -105,22 +105,14 @@ class ModelSpec:
 
     def collect(self, device: str, *, dtype: str | None, batch: int | None, seq: int | None, progress: Any) -> Any:
         """:func:`sacplan.collector.collect` of this model."""
-        from sacplan.collector import parse_dtype, collect
+        from sacplan.collector import collect
 
         if self.preset is not None:
             p = self.preset
             if not self.overrides:
                 return collect(p.name, device=device, dtype=dtype, batch=batch, seq=seq, progress=progress)
-            td = parse_dtype(dtype)
-            overrides = dict(self.overrides)
-            return collect(
-                lambda: p.build(dtype=td, **overrides),
-                lambda: p.example_inputs(batch, seq, dtype=td if td is not None and td.is_floating_point else None),
-                device=device,
-                loss_fn=p.loss_fn,
-                model_name=self.label,
-                progress=progress,
-            )
+            model_fn, inputs_fn = self._preset_fns(batch, seq, dtype)
+            return collect(model_fn, inputs_fn, device=device, loss_fn=p.loss_fn, model_name=self.label, progress=progress)
         model, inputs, loss_fn, opt = self._user()
         kw: dict[str, Any] = {}
         if opt is not None:
@@ -129,17 +121,23 @@ class ModelSpec:
             kw["loss_fn"] = loss_fn
         return collect(model, inputs, device=device, dtype=dtype, model_name=self.label, progress=progress, **kw)
 
+    def _preset_fns(self, batch: int | None, seq: int | None, dtype: str | None) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """``(model_fn, inputs_fn)`` of the preset with this spec's config overrides, built in ``dtype`` by the
+        preset's own casting rules (Llama keeps its rotary table fp32); float inputs in ``dtype`` too."""
+        from sacplan.collector import parse_dtype
+
+        p, overrides, td = self.preset, dict(self.overrides or {}), parse_dtype(dtype)
+        assert p is not None
+        fd = td if td is not None and td.is_floating_point else None
+        return (lambda: p.build(dtype=td, **overrides)), (lambda: p.example_inputs(batch, seq, dtype=fd))
+
     def validation_fns(
         self, batch: int | None, seq: int | None, dtype: str | None = None,
     ) -> tuple[Callable[[], Any], Callable[[], Any], Any, Any]:
         """``(model_fn, inputs_fn, loss_fn, optimizer)`` for :func:`sacplan.validation.validate`; a preset is built
         in ``dtype`` as :meth:`collect` builds it (its own casting rules: Llama keeps its rotary table fp32)."""
         if self.preset is not None:
-            from sacplan.collector import parse_dtype
-
-            p, ov, td = self.preset, dict(self.overrides or {}), parse_dtype(dtype)
-            fd = td if td is not None and td.is_floating_point else None
-            return (lambda: p.build(dtype=td, **ov)), (lambda: p.example_inputs(batch, seq, dtype=fd)), p.loss_fn, None
+            return (*self._preset_fns(batch, seq, dtype), self.preset.loss_fn, None)
         model, inputs, loss_fn, opt = self._user()
         state = {"first": True}
 
