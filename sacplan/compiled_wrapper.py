@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sacplan.devices import cpu_rng_state_bytes
 from sacplan.errors import UnsupportedModelError
 
 __all__ = ["inner_compile", "load_without_kernels", "no_compiled_caches", "wrapper_source"]
@@ -77,7 +78,7 @@ def _run_and_save_rng_state(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.T
     its generator state kept for the recomputation) as plain ops: the state, a host ``uint8`` tensor the size of
     the device generator's (CPU: ``torch.get_rng_state()``; CUDA: 16 bytes), and the op's output."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    size = torch.get_rng_state().numel() if device.type == "cpu" else _CUDA_RNG_STATE_BYTES
+    size = cpu_rng_state_bytes() if device.type == "cpu" else _CUDA_RNG_STATE_BYTES
     return torch.empty(size, dtype=torch.uint8, device="cpu"), op(*args, **kwargs)
 
 

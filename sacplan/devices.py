@@ -205,11 +205,11 @@ def checkpoint_state_bytes(spec: DeviceSpec, draws_random: bool = True) -> int:
     """
     if spec.name != "CPU" or not draws_random:
         return 0
-    return _cpu_rng_state_bytes()
+    return cpu_rng_state_bytes()
 
 
 @functools.cache
-def _cpu_rng_state_bytes() -> int:
+def cpu_rng_state_bytes() -> int:
     """Bytes of ``torch.get_rng_state()`` (the CPU generator's state: fixed for a torch build, read once)."""
     state = torch.get_rng_state()
     return int(state.numel() * state.element_size())
