@@ -455,7 +455,8 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
                      loss: Callable[..., torch.Tensor], check_fingerprint: bool, compile: Any) -> _HostPrediction:
     """One fake step for this host's spec and the plan's choices evaluated on it (PlanMismatchError first)."""
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
-    stats = collect(build, raw_inputs, device=spec, optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+    fake_kw = {"device": spec, "optimizer": False if opt_factory is None else opt_factory, "loss_fn": loss}
+    stats = collect(build, raw_inputs, **fake_kw)
     plan_fp = getattr(plan, "fingerprint", None)
     if check_fingerprint and plan_fp and plan_fp != stats.fingerprint:
         raise PlanMismatchError(
@@ -466,9 +467,8 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
     blocks = repeated_blocks(stats)
     how = compile_choice(compile, blocks)
     regions = blocks if how == "blocks" else ("",)
-    replayed = how is not None and layout_optimized(_region_convolutions(build, regions), dev.type)
     if how is not None:
-        stats = _compiled_stats(build, raw_inputs, stats, spec, opt_factory, loss, regions, replayed)
+        stats = _compiled_stats(build, raw_inputs, stats, regions, dev, fake_kw)
     tree = ModuleTree(stats)
     choices = plan_choices(plan)
     missing = [f for f in choices if f not in tree]
@@ -476,24 +476,23 @@ def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: A
         raise PlanMismatchError(f"the plan names modules that did not run in this model's step: {missing[:5]}")
     prediction = predict(tree, choices)
     if how is not None:
-        prediction = _compiled_peaks(build, raw_inputs, plan, regions, spec, opt_factory, loss, prediction)
+        prediction = _compiled_peaks(build, raw_inputs, plan, regions, fake_kw, prediction)
     return _HostPrediction(stats, prediction, blocks, how)
 
 
 def _compiled_peaks(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: Any, regions: tuple[str, ...],
-                    spec: DeviceSpec, opt_factory: Any, loss: Callable[..., torch.Tensor], bound: Any) -> Any:
+                    fake_kw: dict[str, Any], bound: Any) -> Any:
     """``bound`` (the plan's evaluation on the compiled stats: upper bounds) with the compiled step's peaks without
-    and with the plan (bytes) from fake steps of the regions compiled as Inductor compiles them
-    (:func:`~sacplan.compiled_partition.compiled_step`); a peak whose regions cannot be traced keeps its bound,
-    with a warning."""
-    kwargs = {"device": spec, "optimizer": False if opt_factory is None else opt_factory, "loss_fn": loss}
+    and with the plan (bytes) from fake steps (``collect`` with ``fake_kw``) of the regions compiled as Inductor
+    compiles them (:func:`~sacplan.compiled_partition.compiled_step`); a peak whose regions cannot be traced keeps
+    its bound, with a warning."""
     peaks: dict[str, int] = {}
     for name, p in (("baseline_peak_bytes", None), ("peak_bytes", plan)):
         if p is not None and not getattr(p, "decisions", ()):
             peaks[name] = peaks.get("baseline_peak_bytes", bound.baseline_peak_bytes)
             continue
         try:
-            peaks[name] = compiled_step(build, raw_inputs, regions, p, **kwargs).peak_bytes
+            peaks[name] = compiled_step(build, raw_inputs, regions, p, **fake_kw).peak_bytes
         except Exception as e:  # a region Dynamo or Inductor cannot compile on fakes: the bound still holds
             which = "with" if p is not None else "without"
             warnings.warn(f"compiled regions could not be traced for the prediction {which} the plan "
@@ -509,15 +508,15 @@ def _region_convolutions(build: Callable[[], nn.Module], regions: Iterable[str])
         return region_convolutions(build(), regions)
 
 
-def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, spec: DeviceSpec, opt_factory: Any,
-                    loss: Callable[..., torch.Tensor], regions: tuple[str, ...], replayed: bool) -> Any:
+def _compiled_stats(build: Callable[[], nn.Module], raw_inputs: Inputs, stats: Any, regions: tuple[str, ...],
+                    dev: torch.device, fake_kw: dict[str, Any]) -> Any:
     """The stats a plan is evaluated on for the step as Inductor compiles it (the bound :func:`_compiled_peaks`
-    falls back to): where the compiled regions hold convolutions Inductor runs channels-last (``replayed``), a
-    second fake step with its layout copies replayed (:mod:`sacplan.compiled_layout`); and what a planned
-    compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
+    falls back to): where the compiled regions hold convolutions Inductor runs channels-last on ``dev``, a
+    second fake step (``collect`` with ``fake_kw``) with its layout copies replayed (:mod:`sacplan.compiled_layout`);
+    and what a planned compiled region saves beyond eager (:mod:`sacplan.compiled_saves`)."""
+    replayed = layout_optimized(_region_convolutions(build, regions), dev.type)
     if replayed:
-        stats = collect(lambda: replay_layout(build(), regions), raw_inputs, device=spec,
-                        optimizer=False if opt_factory is None else opt_factory, loss_fn=loss)
+        stats = collect(lambda: replay_layout(build(), regions), raw_inputs, **fake_kw)
     return with_compiled_saves(stats, regions, layout_replayed=replayed)
 
 
