@@ -78,7 +78,6 @@ def solve_model(
     feas_tol: float = 1e-9,
     priorities: Mapping[int, int] | None = None,
     options: Sequence[str] = (),
-    highs_options: Mapping[str, Any] | None = None,
     node_limit: int | None = None,
     shared: bool = True,
 ) -> SolveResult:
@@ -96,7 +95,6 @@ def solve_model(
             first). CBC reads them natively; for HiGHS, which has none, they are branched on first by
             :func:`~sacplan.solver.count_branching.branch_on_priorities`.
         options: extra raw CBC command-line options (CBC only), e.g. ``["preprocess off"]``.
-        highs_options: extra HiGHS options (HiGHS only), e.g. ``{"mip_heuristic_effort": 0.0}``.
         node_limit: branch-and-bound nodes this run may explore (None: none of its own); deterministic.
         shared: also bounded by, and charged to, the call's work budget (:func:`limits.work`); False for the
             small auxiliary MILPs (op-level knapsacks) that carry their own ``node_limit``.
@@ -110,7 +108,7 @@ def solve_model(
     if shared:
         node_limit = limits.nodes_left(node_limit)
     run = RunSettings(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, node_limit)
-    res = _run(model, name, run, priorities, options, highs_options)
+    res = _run(model, name, run, priorities, options)
     if shared:
         limits.spend(res.nodes)
     if res.stopped_by:
@@ -119,8 +117,7 @@ def solve_model(
 
 
 def _run(
-    model: MilpModel, name: str, run: RunSettings, priorities: Mapping[int, int] | None, options: Sequence[str],
-    highs_options: Mapping[str, Any] | None,
+    model: MilpModel, name: str, run: RunSettings, priorities: Mapping[int, int] | None, options: Sequence[str]
 ) -> SolveResult:
     """One back-end run (CBC with its fallbacks, or HiGHS with count branching)."""
     if name == "cbc":
@@ -138,8 +135,8 @@ def _run(
                 res = solve_highs(model, run)
                 return dataclasses.replace(res, log=f"CBC failed ({first}); solved with HiGHS\n" + res.log)
     if priorities and any(model.col_int):
-        return count_branching.branch_on_priorities(model, priorities, run, highs_options)
-    return solve_highs(model, run, highs_options)
+        return count_branching.branch_on_priorities(model, priorities, run)
+    return solve_highs(model, run)
 
 
 def lp_solver(solver: str) -> str:
@@ -199,16 +196,15 @@ def solve_cbc(
     ``extra_options``: raw CBC command-line options)."""
     import pulp
 
-    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
     prob, cols = _pulp_problem(model)
-    if warm_start is not None:
-        for v, x0 in zip(cols, warm_start):
+    if run.warm_start is not None:
+        for v, x0 in zip(cols, run.warm_start):
             v.setInitialValue(float(x0), check=False)
     options = [
         "randomCbcSeed 1",
         "randomSeed 1",
-        f"primalTolerance {feas_tol:g}",
-        f"integerTolerance {max(feas_tol, 1e-9):g}",
+        f"primalTolerance {run.feas_tol:g}",
+        f"integerTolerance {max(run.feas_tol, 1e-9):g}",
     ]
     if run.node_limit is not None:
         options.append(f"maxNodes {max(1, int(run.node_limit))}")  # counted: the same stop on every run
@@ -229,11 +225,11 @@ def solve_cbc(
         cmd = pulp.COIN_CMD(
             path=cbc_path(),
             msg=False,
-            timeLimit=None if time_limit_s is None else max(0.01, float(time_limit_s)),
-            gapRel=gap_rel,
-            gapAbs=gap_abs,
-            threads=threads,  # None: CBC's serial default (deterministic)
-            warmStart=warm_start is not None,
+            timeLimit=None if run.time_limit_s is None else max(0.01, float(run.time_limit_s)),
+            gapRel=run.gap_rel,
+            gapAbs=run.gap_abs,
+            threads=run.threads,  # None: CBC's serial default (deterministic)
+            warmStart=run.warm_start is not None,
             logPath=log_path,
             options=options,
         )
@@ -451,17 +447,16 @@ def _highs_wait(h: Any) -> bool:
 def _highs_configured(run: RunSettings, highs_options: Mapping[str, Any] | None) -> Any:
     """A fresh ``highspy.Highs`` with ``run``'s settings: one thread and a fixed seed unless asked otherwise
     (deterministic), the gaps, tolerances, node limit (deterministic) and time limit (the safety net)."""
-    time_limit_s, gap_rel, gap_abs, threads, _, feas_tol = run.fields()
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 1)
-    h.setOptionValue("threads", int(threads) if threads else 1)
-    h.setOptionValue("mip_rel_gap", float(gap_rel))
-    h.setOptionValue("mip_abs_gap", float(gap_abs))
-    h.setOptionValue("primal_feasibility_tolerance", max(feas_tol, 1e-10))
-    h.setOptionValue("mip_feasibility_tolerance", max(feas_tol, 1e-10))
-    if time_limit_s is not None:
-        h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+    h.setOptionValue("threads", int(run.threads) if run.threads else 1)
+    h.setOptionValue("mip_rel_gap", float(run.gap_rel))
+    h.setOptionValue("mip_abs_gap", float(run.gap_abs))
+    h.setOptionValue("primal_feasibility_tolerance", max(run.feas_tol, 1e-10))
+    h.setOptionValue("mip_feasibility_tolerance", max(run.feas_tol, 1e-10))
+    if run.time_limit_s is not None:
+        h.setOptionValue("time_limit", max(0.01, float(run.time_limit_s)))
     if run.node_limit is not None:
         h.setOptionValue("mip_max_nodes", max(1, int(run.node_limit)))
     for k, v in (highs_options or {}).items():

@@ -71,17 +71,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Callable
 
 import numpy as np
 
-from sacplan.solver import limits
 from sacplan.solver.descent import improve
 from sacplan.solver.event_knapsack import COARSE_UNITS, UNITS, EventKnapsack
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import (
-    MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
+    MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, WorkMeter, binding_events, candidate_forest, exact_check, levels,
+    pareto, run_dp,
 )
 
 #: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered,
@@ -123,14 +122,16 @@ class Front3:
     recover: Recover
 
 
-class ChainDp:
+class ChainDp(WorkMeter):
     """One run of the chain DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
+
+    where, limit_name = "chain DP", "chain DP work limit"
 
     def __init__(self, problem: SacProblem, budget: float, work: int | None = WORK) -> None:
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
-        self.P, self.sizes, self.work, self.budget = problem, [], 0, float(budget)
-        self.work_max = math.inf if work is None else work
+        super().__init__(work)
+        self.P, self.budget = problem, float(budget)
         self.binding = binding_events(problem, budget)
         self.need = problem.ev_base[self.binding] - float(budget)
         C, Y = problem.linear_terms()
@@ -142,10 +143,7 @@ class ChainDp:
         #: per slot, where its (first) forward ends in the forward post-order: the chain order of siblings
         self.fw_end = np.full(n, len(problem.fw_slot), dtype=np.int64)
         np.minimum.at(self.fw_end, problem.fw_slot, np.arange(len(problem.fw_slot)))
-        self.children: list[list[int]] = [[] for _ in range(n)]
-        self.top: list[int] = []
-        for c in problem.candidates:
-            (self.top if c.parent_slot < 0 else self.children[c.parent_slot]).append(c.slot)
+        self.children, self.top = candidate_forest(problem)
         self.masks()
         scale = float(np.max(np.abs(self.need), initial=0.0) + self.A.sum() + self.o.sum() + np.max(problem.ev_base))
         self.tol = TOL_REL * scale + 1e-9
@@ -164,15 +162,6 @@ class ChainDp:
         self.outside: dict[int, np.ndarray] = {}
         self.suffix: dict[tuple[int, ...], list[np.ndarray]] = {}
         self.nothing: np.ndarray | None = None
-
-    def spend(self, units: int) -> None:
-        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
-        wall-clock safety net fires."""
-        self.work += int(units)
-        if self.work > self.work_max:
-            raise TreeDpGaveUp(f"chain DP work limit ({self.work_max:,} units)")
-        if limits.past_deadline("chain DP"):
-            raise TreeDpGaveUp("wall-clock safety net (time limit)")
 
     def masks(self) -> None:
         """Per slot, over the binding events: ``held_all`` / ``zero_all`` (every candidate of its subtree held /
@@ -537,28 +526,6 @@ def solve_chain_dp(
     problem: SacProblem, budget: float, work: int | None = WORK, why: list[str] | None = None
 ) -> TreeDpResult | None:
     """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the chain DP, or None when it does not
-    apply (not a sequential chain, lines mode), exceeds ``work`` units (:data:`WORK`; None: no limit) or the
-    wall-clock safety net, finds no feasible point, or its point fails the exact check; the reason is appended
-    to ``why``."""
-    t0 = time.monotonic()
-    try:
-        dp = ChainDp(problem, budget, work)
-        out = dp.solve()
-    except TreeDpGaveUp as e:
-        return _gave_up(why, str(e))
-    except MemoryError:
-        return _gave_up(why, "out of memory")
-    if out is None:
-        return _gave_up(why, "no point meets the budget (infeasible over these options)")
-    y, r, dp_cost = out
-    cost = exact_check(problem, budget, y, r, dp_cost)
-    if cost is None:
-        return _gave_up(why, "the DP's point failed the exact check (within float slack of the budget)")
-    return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
-                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
-
-
-def _gave_up(why: list[str] | None, reason: str) -> None:
-    if why is not None:
-        why.append(reason)
-    return None
+    apply (not a sequential chain, lines mode) or gives up (more than ``work`` units, :data:`WORK`; None: no
+    limit): see :func:`~sacplan.solver.tree_dp.run_dp`."""
+    return run_dp(ChainDp, problem, budget, work, why)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from sacplan.solver import backends, limits, progress
 from sacplan.solver.model import (
@@ -27,6 +27,10 @@ from sacplan.solver.model import (
 
 #: one node of the search: (lower bounds, upper bounds, LP bound of the parent node)
 Node = tuple[dict[int, float], dict[int, float], float]
+#: LPs :func:`prove_by_lp_branching` may solve before the MILP takes over
+PROOF_NODES = 16
+#: LPs :func:`branch_on_priorities` may branch over before the rest are solved as leaves
+COUNT_NODES = 64
 
 
 def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
@@ -47,22 +51,20 @@ def prove_by_lp_branching(
     branch_cols: Sequence[int],
     *,
     gap_rel: float,
-    gap_abs: float = 1e-9,
     backend: str,
     root_bound: float | None = None,
-    max_nodes: int = 16,
 ) -> SolveResult | None:
     """Try to prove ``incumbent`` optimal within the gap with LP relaxations alone, branching only on
     ``branch_cols`` (integer count columns): a node is closed when its LP bound reaches the incumbent. Returns
     an OPTIMAL result with the proven bound, or None when a node's LP is integral in those columns but still
-    below the incumbent, or after ``max_nodes`` LPs (each solved by ``backend``'s LP solver): the MILP solver then
-    takes over.
+    below the incumbent, or after :data:`PROOF_NODES` LPs (each solved by ``backend``'s LP solver): the MILP solver
+    then takes over.
     Exact: nothing is assumed about the solution beyond the LP bounds.
     """
     if incumbent is None:
         return None
     best = model.evaluate(incumbent)
-    tol = max(gap_abs, gap_rel * abs(best))
+    tol = max(1e-9, gap_rel * abs(best))
     t0 = time.perf_counter()
     closed: list[float] = []
     stack: list[Node] = [({}, {}, -INF)]
@@ -75,7 +77,7 @@ def prove_by_lp_branching(
                 closed.append(obj)
                 nodes += 1
                 continue
-        if nodes >= max_nodes:
+        if nodes >= PROOF_NODES:
             return None
         res = backends.solve_model(relaxed(with_bounds(model, lb, ub)), backends.lp_solver(backend))
         nodes += 1
@@ -97,27 +99,20 @@ def prove_by_lp_branching(
     )
 
 
-def branch_on_priorities(
-    model: MilpModel,
-    priorities: Mapping[int, int],
-    run: RunSettings,
-    highs_options: Mapping[str, Any] | None,
-    max_nodes: int = 64,
-) -> SolveResult:
-    """Solve ``model`` by branching on the ``priorities`` columns (smaller first) for at most ``max_nodes`` LPs,
-    then HiGHS's MILP at the leaves (see the module docstring)."""
-    search = _CountSearch(model, priorities, run, highs_options)
+def branch_on_priorities(model: MilpModel, priorities: Mapping[int, int], run: RunSettings) -> SolveResult:
+    """Solve ``model`` by branching on the ``priorities`` columns (smaller first) for at most :data:`COUNT_NODES`
+    LPs, then HiGHS's MILP at the leaves (see the module docstring)."""
+    search = _CountSearch(model, priorities, run)
     while search.stack:
-        search.step(max_nodes)
+        search.step()
     return search.summary()
 
 
 class _CountSearch:
     """The state of one search: the incumbent, the closed leaves' bounds, the open nodes, the work done."""
 
-    def __init__(self, model: MilpModel, priorities: Mapping[int, int], run: RunSettings,
-                 highs_options: Mapping[str, Any] | None) -> None:
-        self.model, self.run, self.hopts = model, run, dict(highs_options or {})
+    def __init__(self, model: MilpModel, priorities: Mapping[int, int], run: RunSettings) -> None:
+        self.model, self.run = model, run
         self.t0 = time.perf_counter()
         self.order = sorted(priorities, key=lambda j: (priorities[j], j))
         ws = run.warm_start
@@ -169,7 +164,7 @@ class _CountSearch:
     def prune_at(self, v: float) -> bool:
         return self.best < INF and v >= self.best - max(self.run.gap_abs, self.run.gap_rel * abs(self.best))
 
-    def step(self, max_nodes: int) -> None:
+    def step(self) -> None:
         """Pop one node: close it on its LP bound, branch on its first fractional priority column, or solve it
         as a leaf."""
         lb, ub, parent_bound = self.stack.pop()
@@ -195,7 +190,7 @@ class _CountSearch:
             self.leaf_bounds.append(lp.objective)
             return
         frac = _fractional(lp.x, self.order)
-        if frac is not None and self.nodes < max_nodes:
+        if frac is not None and self.nodes < COUNT_NODES:
             self.stack += _branch(lb, ub, frac, lp.x[frac], lp.objective)
             return
         self.leaf(sub, lp)
@@ -203,7 +198,7 @@ class _CountSearch:
     def leaf(self, sub: MilpModel, lp: SolveResult) -> None:
         """Solve a leaf (priority columns integral in its LP ``lp``) by HiGHS's MILP under the incumbent."""
         ws = self.best_x if self.best_x is not None and sub.max_violation(self.best_x) <= 1e-6 else None
-        opts = dict(self.hopts)
+        opts = {}
         if self.best < INF:
             opts["objective_bound"] = self.best + max(self.run.gap_abs, 1e-9 * abs(self.best))
         try:

@@ -142,10 +142,6 @@ class RunSettings:
     feas_tol: float = 1e-9
     node_limit: int | None = None
 
-    def fields(self) -> tuple[float | None, float, float, int | None, Sequence[float] | None, float]:
-        """``(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol)``."""
-        return self.time_limit_s, self.gap_rel, self.gap_abs, self.threads, self.warm_start, self.feas_tol
-
 
 @dataclass
 class SolveResult:

@@ -43,7 +43,7 @@ import bisect
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -293,12 +293,40 @@ def sweep_2d(v: np.ndarray) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
-class TreeDp:
+def candidate_forest(problem: SacProblem) -> tuple[list[list[int]], list[int]]:
+    """Each candidate's children (slots, pre-order) and the top-level candidates."""
+    children: list[list[int]] = [[] for _ in problem.candidates]
+    top: list[int] = []
+    for c in problem.candidates:
+        (top if c.parent_slot < 0 else children[c.parent_slot]).append(c.slot)
+    return children, top
+
+
+class WorkMeter:
+    """A DP run's work count: ``work`` units spent of ``work_max`` (None: no limit), the size of every front built
+    (points), named ``where`` in what it records."""
+
+    where, limit_name = "tree DP", "work limit"
+
+    def __init__(self, work: int | None) -> None:
+        self.work, self.work_max, self.sizes = 0, (math.inf if work is None else work), []
+
+    def spend(self, units: int) -> None:
+        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
+        wall-clock safety net fires (recorded by :func:`~sacplan.solver.limits.past_deadline`)."""
+        self.work += int(units)
+        if self.work > self.work_max:
+            raise TreeDpGaveUp(f"{self.limit_name} ({self.work_max:,} units)")
+        if limits.past_deadline(self.where):
+            raise TreeDpGaveUp("wall-clock safety net (time limit)")
+
+
+class TreeDp(WorkMeter):
     """One run of the DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
 
     def __init__(self, problem: SacProblem, budget: float, work: int | None = WORK) -> None:
-        self.P, self.sizes = problem, []
-        self.work, self.work_max = 0, (math.inf if work is None else work)
+        super().__init__(work)
+        self.P = problem
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
         C, Y = problem.linear_terms()
@@ -319,23 +347,11 @@ class TreeDp:
         self.neg, self.pos = self.bounds()
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
         self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
-        self.children: list[list[int]] = [[] for _ in problem.candidates]
-        self.top: list[int] = []
-        for c in problem.candidates:
-            (self.top if c.parent_slot < 0 else self.children[c.parent_slot]).append(c.slot)
+        self.children, self.top = candidate_forest(problem)
         self.sig: dict[int, int] = {}
         self.sig_ids: dict[tuple, int] = {}
         self.memo: dict[int, Front] = {}
         self.zero = Front(np.zeros(1), np.zeros((1, K)), 0, np.zeros(K), np.zeros(K), lambda i, slots: [])
-
-    def spend(self, units: int) -> None:
-        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
-        wall-clock safety net fires (recorded by :func:`~sacplan.solver.limits.past_deadline`)."""
-        self.work += int(units)
-        if self.work > self.work_max:
-            raise TreeDpGaveUp(f"work limit ({self.work_max:,} units)")
-        if limits.past_deadline("tree DP"):
-            raise TreeDpGaveUp("wall-clock safety net (time limit)")
 
     def bounds(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per slot, ``neg_s = min(0, min_k v_{s,k})`` and ``pos_s = max(0, max_k v_{s,k})`` per binding event
@@ -499,29 +515,35 @@ def solve_tree_dp(
     problem: SacProblem, budget: float, work: int | None = WORK, why: list[str] | None = None
 ) -> TreeDpResult | None:
     """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the tree DP, or None when it does not
-    apply, would be too large or slow (more than ``work`` units, :data:`WORK`; None: no limit but :data:`WIDE_WORK`; or the call's wall-clock safety net
-    fired), finds no feasible point, or its point fails the exact check; the reason is appended to ``why``."""
+    apply or gives up (more than ``work`` units, :data:`WORK`; None: no limit but :data:`WIDE_WORK`): see
+    :func:`run_dp`."""
+    return run_dp(TreeDp, problem, budget, work, why)
+
+
+def run_dp(
+    dp_class: Callable[..., Any], problem: SacProblem, budget: float,
+    work: int | None, why: list[str] | None,
+) -> TreeDpResult | None:
+    """``dp_class(problem, budget, work).solve()`` (the tree or the chain DP) with its point checked exactly
+    (:func:`exact_check`): the proven optimum, or None when the DP gave up (work limit, wall-clock safety net, out
+    of memory), found no feasible point, or its point failed the check; the reason is appended to ``why``."""
     t0 = time.monotonic()
     try:
-        dp = TreeDp(problem, budget, work)
+        dp = dp_class(problem, budget, work)
         out = dp.solve()
     except TreeDpGaveUp as e:
-        if why is not None:
-            why.append(str(e))
-        return None
+        reason = str(e)
     except MemoryError:
-        if why is not None:
-            why.append("out of memory")
-        return None
-    if out is None:
-        if why is not None:
-            why.append("no point meets the budget (infeasible over these options)")
-        return None
-    y, r, dp_cost = out
-    cost = exact_check(problem, budget, y, r, dp_cost)
-    if cost is None:
-        if why is not None:
-            why.append("the DP's point failed the exact check (within float slack of the budget)")
-        return None
-    return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
-                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
+        reason = "out of memory"
+    else:
+        reason = "no point meets the budget (infeasible over these options)"
+        if out is not None:
+            y, r, dp_cost = out
+            cost = exact_check(problem, budget, y, r, dp_cost)
+            if cost is not None:
+                return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
+                                    front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
+            reason = "the DP's point failed the exact check (within float slack of the budget)"
+    if why is not None:
+        why.append(reason)
+    return None
