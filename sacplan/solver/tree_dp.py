@@ -203,30 +203,41 @@ def prefilter_2d(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.n
     """A superset of :func:`pareto`'s points for two coordinates, cheaper than its full sort (indices ascending;
     None: not worth it).
 
-    Points in cost order (stable: of equal costs the lower index first), block by block against the staircase
-    of every earlier block: a point goes when an earlier one has both coordinates >=, which weakly dominates it
-    (cost <=; an equal point earlier has the lower index), so :func:`pareto` drops it too; and :func:`pareto` of
-    what is left is :func:`pareto` of all (a dominated point's undominated dominator is left; the left points
-    keep their relative order, so the full sort breaks ties among them as before). The cheapest tenth (at
-    least :data:`PREFILTER_MIN` points) is sorted and filtered first: None where it loses less than half (the
-    full sort is then as cheap)."""
+    Points in cost order (stable), filtered by :func:`stair_filter`: a point an earlier one weakly dominates goes
+    (:func:`pareto` drops it too), and :func:`pareto` of what is left is :func:`pareto` of all (the left points
+    keep their relative order, so the full sort breaks ties among them as before). The cheapest tenth (at least
+    :data:`PREFILTER_MIN` points) goes first: None where it loses less than half (the full sort is then as cheap)."""
     n = len(cost)
     cut = np.partition(cost, max(PREFILTER_MIN, n // 10) - 1)[max(PREFILTER_MIN, n // 10) - 1]
     stair = np.empty((0, 2))
     left: list[np.ndarray] = []
     for part, trial in ((np.nonzero(cost <= cut)[0], True), (np.nonzero(cost > cut)[0], False)):
         part = part[np.argsort(cost[part], kind="stable")]  # the two parts in turn: the whole stable cost order
-        v = vec[part]
-        for lo in range(0, len(v), PREFILTER_BLOCK):
-            cv = v[lo:lo + PREFILTER_BLOCK]
-            if spend is not None:
-                spend(2 * (len(cv) + len(stair)))
-            ok = ~dominated_by(stair, cv)
-            left.append(part[lo:lo + PREFILTER_BLOCK][ok])
-            stair = staircase(np.concatenate([stair, cv[ok]]))
-        if trial and 2 * sum(len(x) for x in left) > len(part):
+        ok, stair = stair_filter(vec[part], PREFILTER_BLOCK, stair, spend)
+        left.append(part[ok])
+        if trial and 2 * len(ok) > len(part):
             return None
     return np.sort(np.concatenate(left))
+
+
+def stair_filter(
+    v: np.ndarray, block: int, stair: np.ndarray, spend: Spend = None,
+    within: Callable[[np.ndarray], np.ndarray] | None = None, extra: Callable[[int], int] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the points ``v`` (in order) that neither ``stair`` nor an earlier block dominates (both
+    coordinates >=), block by block against the :func:`staircase` of what came before; ``within(points)``: which of a
+    block's points left to keep (None: all; a point the staircase dominates dominates nothing it does not). Charges
+    ``spend`` per block the staircase test plus ``extra(points left)``. Returns the positions and the staircase."""
+    keep = [np.zeros(0, dtype=np.int64)]
+    for lo in range(0, len(v), block):
+        cv = v[lo:lo + block]
+        left = np.nonzero(~dominated_by(stair, cv))[0]
+        if spend is not None:
+            spend(2 * (len(cv) + len(stair)) + (0 if extra is None else extra(len(left))))
+        ok = left if within is None else left[within(cv[left])]
+        keep.append(ok + lo)
+        stair = staircase(np.concatenate([stair, cv[ok]]))
+    return np.concatenate(keep), stair
 
 
 def staircase(v: np.ndarray) -> np.ndarray:
@@ -248,28 +259,22 @@ def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def pareto_2d(v: np.ndarray, spend: Spend = None) -> np.ndarray:
     """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
-    has both coordinates >= (positions, ascending). Block by block: against the staircase of every earlier block
-    (most points go), then the few left against the earlier ones left in their block (one that the staircase
-    dominates dominates nothing the staircase does not): pairwise where few are left, else by a sweep with a
-    staircase in lists."""
-    stair = np.empty((0, 2))
-    keep: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
-    seen = 0  # points left so far: charged 8 units each, by started runs of 4,096 (as the one sweep was)
-    for lo in range(0, len(v), PARETO_BLOCK):
-        cv = v[lo:lo + PARETO_BLOCK]
-        left = np.nonzero(~dominated_by(stair, cv))[0]
-        if spend is not None:  # the staircase test, and a few dozen operations per point left
-            spend(2 * (len(cv) + len(stair)) + 4096 * 8 * (-(-(seen + len(left)) // 4096) - -(-seen // 4096)))
-        seen += len(left)
-        c = cv[left]
-        if len(left) <= PAIRWISE_MAX:
-            earlier = (c[None, :, 0] >= c[:, None, 0]) & (c[None, :, 1] >= c[:, None, 1])  # [i, j]: j has both >=
-            ok = np.nonzero(~np.tril(earlier, -1).any(1))[0]
-        else:
-            ok = sweep_2d(c)
-        keep.append(left[ok] + lo)
-        stair = staircase(np.concatenate([stair, c[ok]]))
-    return np.concatenate(keep)
+    has both coordinates >= (positions, ascending). :func:`stair_filter` by blocks of :data:`PARETO_BLOCK`, the
+    few left in a block against the earlier ones left: pairwise up to :data:`PAIRWISE_MAX`, else by
+    :func:`sweep_2d`. Charged besides 8 units per point left, by started runs of 4,096."""
+    seen = [0]
+
+    def extra(n: int) -> int:
+        before, seen[0] = seen[0], seen[0] + n
+        return 4096 * 8 * (-(-seen[0] // 4096) - -(-before // 4096))
+
+    def within(c: np.ndarray) -> np.ndarray:
+        if len(c) > PAIRWISE_MAX:
+            return sweep_2d(c)
+        earlier = (c[None, :, 0] >= c[:, None, 0]) & (c[None, :, 1] >= c[:, None, 1])  # [i, j]: j has both >=
+        return np.nonzero(~np.tril(earlier, -1).any(1))[0]
+
+    return stair_filter(v, PARETO_BLOCK, np.empty((0, 2)), spend, within, extra)[0]
 
 
 def sweep_2d(v: np.ndarray) -> np.ndarray:
