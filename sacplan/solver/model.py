@@ -126,10 +126,10 @@ class RunSettings:
     """How one back-end run goes (what :func:`~sacplan.solver.backends.solve_model` hands CBC or HiGHS).
 
     Attributes:
-        time_limit_s: wall-clock limit (s; None: none).
+        time_limit_s: wall-clock limit (s; None: none): the safety net.
         gap_rel, gap_abs: stop once the relative / absolute gap (objective units: ms) is this small.
         threads: solver threads (None: one, deterministic).
-        warm_start: a full column vector to start from, or None.
+        warm_start: a full column vector to start from (a feasible incumbent helps a lot), or None.
         feas_tol: primal feasibility tolerance (model units: GiB for the SAC rows).
         node_limit: branch-and-bound nodes the run may explore (None: none); deterministic, unlike the time limit.
     """
