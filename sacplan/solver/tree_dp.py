@@ -12,11 +12,10 @@ others ("binding", ``K`` of them) are the only rows. With ``need[e] = ev_base[e]
 
     min Σ q   s.t.   Σ_s v_s >= need   (K rows),   an antichain of the candidate forest,
 
-a multiple-choice knapsack over a tree. Its DP: the front of a candidate subtree ``T`` is the Pareto set of
-(cost ↓, contribution vector ∈ R^K ↑) over its decisions = {root at level k: (q_k, v_k)} ∪ (⊕ of its
-children's fronts), ``⊕`` the Minkowski sum (every pair summed, then pruned); the top-level candidates are
-summed the same way, and the answer is the cheapest root point meeting ``need``. Siblings with identical
-subtrees (repeated blocks) share one front, and ``m`` copies are summed by doubling (⌈log2 m⌉ + popcount sums).
+a multiple-choice knapsack over a tree. The front of a subtree ``T``, the Pareto set of (cost ↓, contribution
+∈ R^K ↑) over its decisions, is {root at level k: (q_k, v_k)} ∪ (⊕ of its children's fronts), ``⊕`` the Minkowski
+sum (every pair summed, then pruned); the answer is the cheapest point of the top-level sum meeting ``need``.
+Identical sibling subtrees share one front, ``m`` copies summed by doubling (⌈log2 m⌉ + popcount sums).
 
 Exact: no bucketing. Two safe reductions per front of a subtree ``T``, with ``neg_s = min(0, min_k v_{s,k})``
 and ``pos_s = max(0, max_k v_{s,k})`` per event, ``N = Σ_all neg``, ``P = Σ_all pos``:
@@ -32,9 +31,8 @@ and ``pos_s = max(0, max_k v_{s,k})`` per event, ``N = Σ_all neg``, ``P = Σ_al
 * drop points with ``x + (P - Σ_T pos) < need - tol`` on some event: no completion can reach ``need``.
 
 Float sums differ from :meth:`~sacplan.solver.problem.SacProblem.peaks` by far less than ``tol`` (:data:`TOL_REL`
-of the largest byte figure: ~0.1 byte at 100 GB), so
-the DP solves a relaxation (``need - tol``) exactly; its cheapest point is then checked exactly (peaks <= b,
-cost): feasible means optimal, otherwise the DP gives up (returns None) rather than trust float sums.
+of the largest byte figure: ~0.1 byte at 100 GB), so the DP solves a relaxation (``need - tol``) exactly; its
+cheapest point is then checked exactly: feasible means optimal, else the DP gives up rather than trust float sums.
 """
 
 from __future__ import annotations
@@ -53,17 +51,14 @@ from sacplan.solver.problem import SacProblem
 
 #: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
 MAX_BINDING = 16
-#: binding events above which the DP gets at most :data:`WIDE_WORK` work units: its fronts are then small only on
-#: small models (the tiny conformance models: 5-16 events, proofs in milliseconds), so a run that would fail
-#: fails early and leaves the MILP its time
+#: binding events above which the DP gets at most :data:`WIDE_WORK` units: its fronts are then small only on small
+#: models (the tiny conformance models: 5-16 events, proofs in ms), so a run that would fail fails early
 WIDE = 4
-#: The DP's deterministic work limits (issue 26: the same plan on every run, whatever the machine's load): work
-#: units are numbers touched — coordinates of the pairs a Minkowski sum forms, point-pair coordinates a Pareto
-#: filter compares, option rows an event screen compares — counted, never timed. Giving up at the same count on
-#: every run, the DP leaves the MILP the same problem. Measured on a loaded 2-core host: Llama x32 at 90% of its
-#: peak (12 binding events) 3.0e8 units in 2.9 s; the tiny Mixtral near its minimum spent 4e8 units in well over
-#: 10 s (its fronts' sweeps cost more per unit). So :data:`WORK` is a few seconds of a quiet core, ~10-30 s there,
-#: and :data:`WIDE_WORK` (more than :data:`WIDE` binding events) about the old 1 s share of a quiet core.
+#: The deterministic work limits: units are numbers touched (coordinates of the pairs a Minkowski sum forms,
+#: point-pair coordinates a Pareto filter compares, option rows an event screen compares), counted, never timed,
+#: so the DP gives up at the same point on every run. Loaded 2-core host: Llama x32 at 90% of its peak (12 binding
+#: events) 3.0e8 units in 2.9 s, the tiny Mixtral near its minimum 4e8 in over 10 s; :data:`WIDE_WORK` is about a
+#: second of a quiet core.
 WORK = 1_000_000_000
 WIDE_WORK = 100_000_000
 #: events that can exceed the budget above which the DP does not screen them for the binding ones
@@ -74,9 +69,8 @@ MAX_FRONT = 200_000
 MAX_PAIRS = 20_000_000
 #: pairs summed at once (bounds the memory of one chunk: ~(K+1)·8 bytes each)
 CHUNK_PAIRS = 1_000_000
-#: points above which :func:`pareto` with two coordinates first drops, in blocks of :data:`PREFILTER_BLOCK`,
-#: those an earlier block's staircase dominates (:func:`prefilter_2d`: the same result, without the full
-#: three-key sort of every point: the chain DP's largest sums form millions of pairs of which ~2% stay)
+#: points above which :func:`pareto` with two coordinates is first pre-filtered (:func:`prefilter_2d`, blocks of
+#: :data:`PREFILTER_BLOCK`): the chain DP's largest sums form millions of pairs of which ~2% stay
 PREFILTER_MIN = 8192
 PREFILTER_BLOCK = 2048
 #: points per block of :func:`pareto_2d`, and those left in a block up to which they are compared pairwise
@@ -89,9 +83,8 @@ TOL_REL = 1e-12
 
 @dataclasses.dataclass(frozen=True)
 class TreeDpResult:
-    """The DP's optimum: checkpoint flags ``y``, option ratios ``r`` per slot, its cost (ms, exact
-    :meth:`~sacplan.solver.problem.SacProblem.cost`), the binding events, the size of each front built (points)
-    and the seconds it took, and the work units it spent (deterministic)."""
+    """The DP's optimum: flags ``y`` and ratios ``r`` per slot, its exact cost (ms), the binding events, the size
+    of each front built (points), the seconds it took and the work units it spent (deterministic)."""
 
     y: np.ndarray
     r: np.ndarray
@@ -159,8 +152,8 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
     """Indices of the points not dominated (cost <=, every coordinate >=; of equal points the first), by cost.
 
     Charges ``spend`` between blocks: with 3 or more coordinates the filter is quadratic in the points kept
-    (50,000 mutually non-dominated points in 8 coordinates: ~50 s), so a front that grows too large ends in
-    :class:`TreeDpGaveUp` at the work limit, or once it keeps more than :data:`MAX_FRONT` points."""
+    (50,000 in 8 coordinates: ~50 s), so a front too large ends in :class:`TreeDpGaveUp` at the work limit, or past
+    :data:`MAX_FRONT` points."""
     n, K = vec.shape
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -172,8 +165,7 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
 
 
 def pareto_sorted(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray:
-    """:func:`pareto` by its full sort (cost, then each coordinate descending, then index), without the
-    pre-filter."""
+    """:func:`pareto` by its full sort (cost, then each coordinate descending, then index)."""
     n, K = vec.shape
     order = np.lexsort(tuple(-vec[:, j] for j in range(K - 1, -1, -1)) + (cost,))
     v = vec[order]
@@ -367,15 +359,14 @@ class TreeDp(WorkMeter):
         return neg, pos
 
     def reduce_events(self) -> None:
-        """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <=
-        Σ_s neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and
-        every option contributes at ``e`` at least what it does at ``f`` (``Σ v[e] >= Σ v[f] >= need[f] >=
-        need[e]``). Events in order of need, so only kept ones are compared; more than :data:`MAX_BINDING` kept:
-        give up."""
+        """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <= Σ_s
+        neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and every option contributes at ``e`` at least
+        what it does at ``f`` (``Σ v[e] >= Σ v[f] >= need[f] >= need[e]``). Events in order of need, so only kept
+        ones are compared; more than :data:`MAX_BINDING` kept: give up."""
         V = np.concatenate([v for _, _, v in self.opts])
         low = np.sum(self.bounds()[0], axis=0)
         kept: list[int] = []
-        for t, e in enumerate(np.argsort(-self.need, kind="stable").tolist()):
+        for e in np.argsort(-self.need, kind="stable").tolist():
             self.spend(len(V) * max(1, len(kept)))
             if self.need[e] <= low[e]:  # met by every decision (and the caps below need need > Σ neg)
                 continue
@@ -388,7 +379,6 @@ class TreeDp(WorkMeter):
         self.binding, self.need = self.binding[kept], self.need[kept]
         self.opts = [(ratio, q, v[:, kept]) for ratio, q, v in self.opts]
 
-    # -- fronts -----------------------------------------------------------------------------------------
     def signature(self, s: int) -> int:
         """Equal ids: subtrees with equal options (bytes at the binding events, costs) and equal children."""
         if s not in self.sig:
