@@ -45,8 +45,11 @@ class SolverOptions:
         gap_rel: relative optimality gap to prove, in [0, 1).
         threads: solver threads (None: 1, deterministic).
         op_level: realise ratios as op save lists (else ratio-only decisions).
-        exact: choose among each module's exact op-level options (None: as ``op_level``).
-        max_options: options per module in exact mode (None: each module's whole Pareto front).
+        exact: choose among each module's exact op-level options (None: as ``op_level``); False: the trade-off
+            lines, their ratios realised by op selection.
+        max_options: options per module in exact mode (more: finer choice, larger MILP). None: each module's whole
+            Pareto front of save lists; the MILP then ranges over every plan, and ``plan.meta["options_complete"]``
+            says when no front had to be thinned (its proven optimum is then the best plan there is).
         on_interrupt: Ctrl-C during the search: ``"raise"`` or ``"incumbent"`` (return the best plan so far).
         tree_dp: in exact mode, try the exact tree DP (:mod:`sacplan.solver.tree_dp`) before the MILP: it proves
             plans where at most a few events can bind in well under a second, and gives up quickly elsewhere.
