@@ -74,13 +74,12 @@ def sac_milp(
         world_size: ranks sharing parameters and gradients (FSDP).
         ac_units: allowed checkpoint units (fqns as the graph names them).
         fsdp_units: FSDP units (no checkpoint unit may contain one).
-        time_limit_s: wall-clock budget (s) of the call (default 60; None: none); <= 0 or NaN: ConfigError.
-        solver, gap_rel, time_limit_s: as :class:`~sacplan.solver.options.SolverOptions`, or all settings as
-            ``options`` (decisions are ratio-only here whatever its ``op_level``: PyTorch's meaning).
+        solver, gap_rel, time_limit_s: as :class:`~sacplan.solver.options.SolverOptions` (time limit: the call's,
+            default 60 s), or all settings as ``options`` (decisions are ratio-only whatever its ``op_level``).
 
     Returns:
-        ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios to 4 digits (rounded up, so the plan
-        never exceeds the budget: peak_bytes <= budget) and ms to 2 like PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
+        ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios to 4 digits (rounded up: peak_bytes <= budget)
+        and ms to 2 like PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
     """
     opts = resolve_options(options, dict(solver=solver, gap_rel=gap_rel, time_limit_s=time_limit_s))
     budget = _budget_bytes(memory_budget)
