@@ -1,12 +1,7 @@
-"""The SAC problem: a tree's memory timeline, read once, and the exact evaluation of any decision.
-
-:class:`SacProblem` turns a :class:`~sacplan.tree.ModuleTree` into arrays: the candidates
-(:mod:`sacplan.solver.candidates`), the step orders as running-sum positions, every timeline event's bytes
-with per-rank state scaling, and (exact mode) each candidate's op-level options. A decision — checkpoint
-flags ``y`` and discard ratios ``r`` per candidate slot — is evaluated exactly in bytes
-(:meth:`SacProblem.peaks`) and in model recompute ms (:meth:`SacProblem.cost`). Budget-independent: the
-MILP (:mod:`sacplan.solver.formulation`) and the strategies (:mod:`sacplan.solver.strategies`) read it.
-"""
+"""The SAC problem (:class:`SacProblem`): a tree's memory timeline read once into arrays (candidates, running-sum
+positions, every event's bytes per rank, exact-mode op-level options), and the exact evaluation of a decision
+(flags ``y``, ratios ``r`` per candidate slot) in bytes (:meth:`SacProblem.peaks`) and ms (:meth:`SacProblem.cost`).
+Budget-independent."""
 
 from __future__ import annotations
 
@@ -25,15 +20,9 @@ from sacplan.tree import ModuleTree, as_tree
 
 
 class SacProblem:
-    """Budget-independent view of a tree for the MILP (memory model: :mod:`sacplan.timeline`; rows:
-    :mod:`sacplan.solver.formulation`).
-
-    Args:
-        tree: the collected module tree (or the ModelStats ``collect`` returns).
-        world_size: ranks to plan for (None: the tree's own ``stats.world_size``).
-        ac_units: allowed checkpoint units (None: every eligible module).
-        fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
-    """
+    """The problem of ``tree`` (or the ModelStats ``collect`` returns) for ``world_size`` ranks (None: as collected),
+    ``ac_units`` and ``fsdp_units`` (:func:`~sacplan.solver.candidates.select_candidates`); ``exact``: op-level
+    options (at most ``max_options``); ``relax``: lower-bound mode (each cost the LP relaxation of its knapsack)."""
 
     def __init__(
         self,
@@ -158,11 +147,8 @@ class SacProblem:
         return len(self.candidates)
 
     def options(self, slot: int) -> ModuleOptions | None:
-        """Exact op-level options of candidate ``slot`` (None when not in exact mode or it has no ops).
-
-        The module's exact Pareto front of save lists (:func:`~sacplan.solver.ops.module_options`), pruned to
-        ``max_options`` (None: all of it), memoised per class of identical candidates.
-        """
+        """Exact op-level options of candidate ``slot`` (:func:`~sacplan.solver.ops.module_options`, at most
+        ``max_options``; None when not in exact mode or it has no ops), memoised per class of identical ones."""
         if not self.exact:
             return None
         if slot in self._options:
@@ -222,9 +208,8 @@ class SacProblem:
 
     def options_slack_ms(self) -> float:
         """Recompute ms the options may overprice because the time budget ran out while they were built
-        (:attr:`~sacplan.solver.ops.ModuleOptions.slack_frac`, over all calls of every candidate): the MILP's
-        bound minus this also bounds the plans over exact knapsacks at the same ratios. 0.0 when none was cut
-        short."""
+        (:attr:`~sacplan.solver.ops.ModuleOptions.slack_frac` over all calls): the MILP's bound minus this also
+        bounds the plans over exact knapsacks at the same ratios."""
         total = 0.0
         for c in self.candidates:
             o = self.options(c.slot)
