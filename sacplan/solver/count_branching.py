@@ -1,15 +1,12 @@
 """Branching on the count columns of classes of identical candidates (how many blocks are checkpointed, how many
-reach each option level), whose LP relaxation is weak only in *how many*: once a count is fixed the LP bound is
-(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds,
-branching alike (:func:`_branch`: the first fractional count, the nearer side first):
+reach each option level): their LP relaxation is weak only in *how many*, so once a count is fixed the LP bound is
+(nearly) tight and the symmetric search over *which* blocks never starts. Two depth-first searches on LP bounds,
+branching alike (:func:`_branch`):
 
-* :func:`prove_by_lp_branching`: proves an incumbent optimal with LP relaxations alone (any back-end), before
-  any MILP; it gives up where a node would need one;
-* :func:`branch_on_priorities`: HiGHS's branch-and-bound by priorities, which HiGHS lacks: the priority columns
-  are branched on here (the nearer side first), and each leaf (all priority columns integral in its LP) is solved
-  by HiGHS's MILP under the incumbent as cutoff. Exact: the returned bound is the minimum over pruned and solved
-  leaves. Work is counted (one node per LP, plus each leaf MILP's own nodes) against ``run.node_limit``:
-  deterministic.
+* :func:`prove_by_lp_branching`: proves an incumbent optimal with LPs alone, or gives up where a node needs a MILP;
+* :func:`branch_on_priorities`: the branching priorities HiGHS lacks: priority columns branched here, each leaf
+  (those columns integral in its LP) solved by HiGHS's MILP under the incumbent as cutoff; the bound is the minimum
+  over pruned and solved leaves. Work counted (one node per LP, plus the leaf MILPs' nodes): deterministic.
 """
 
 from __future__ import annotations
@@ -54,13 +51,9 @@ def prove_by_lp_branching(
     backend: str,
     root_bound: float | None = None,
 ) -> SolveResult | None:
-    """Try to prove ``incumbent`` optimal within the gap with LP relaxations alone, branching only on
-    ``branch_cols`` (integer count columns): a node is closed when its LP bound reaches the incumbent. Returns
-    an OPTIMAL result with the proven bound, or None when a node's LP is integral in those columns but still
-    below the incumbent, or after :data:`PROOF_NODES` LPs (each solved by ``backend``'s LP solver): the MILP solver
-    then takes over.
-    Exact: nothing is assumed about the solution beyond the LP bounds.
-    """
+    """``incumbent`` proven optimal within the gap by LP relaxations alone (``backend``'s LP solver), branching
+    only on ``branch_cols``: a node closes when its LP bound reaches the incumbent. None when a node's LP is
+    integral in those columns yet below the incumbent, or after :data:`PROOF_NODES` LPs: the MILP takes over."""
     if incumbent is None:
         return None
     best = model.evaluate(incumbent)
