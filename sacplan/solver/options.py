@@ -1,11 +1,7 @@
-"""How a plan is searched for: the solver settings, in one validated object.
-
-:class:`SolverOptions` holds *how* the MILP is solved — back-end, wall-clock budget, gap, threads, op-level
-options, the deterministic work limit — and nothing of *what* is planned (the tree, the budget, the world size and the units are the
-problem). Every public solving call (:func:`~sacplan.solver.milp.solve`, ``min_feasible_budget``,
-``recompute_lower_bound``, ``certify``, ``sweep``, ``fit_to_budget``, ``sac_milp``) accepts
-``options=SolverOptions(...)`` or the same settings as keywords (shorthand for its fields), never both, and
-threads the one object through its layers::
+"""How a plan is searched for, in one validated object (:class:`SolverOptions`; *what* is planned, the tree, budget,
+world size and units, is the problem). Every public solving call (``solve``, ``min_feasible_budget``,
+``recompute_lower_bound``, ``certify``, ``sweep``, ``fit_to_budget``, ``sac_milp``) accepts ``options=`` or the same
+settings as keywords, never both::
 
     opts = SolverOptions(solver="cbc", time_limit_s=30)
     plan = solve(tree, "60GiB", options=opts)
@@ -107,12 +103,12 @@ class SolverOptions:
 def resolve_options(
     options: SolverOptions | None, given: Mapping[str, Any], time_limit_default: float | None = DEFAULT_SOLVE_S
 ) -> SolverOptions:
-    """The settings of one call: ``options`` when given, else the keywords ``given`` (the call's own keyword
-    arguments, named as :class:`SolverOptions`' fields; its default time limit is ``time_limit_default``).
+    """The settings of one call: ``options`` when given, else the call's keywords ``given`` (named as
+    :class:`SolverOptions`' fields; default time limit ``time_limit_default``).
 
     Raises:
         ConfigError: ``options`` is not a :class:`SolverOptions`, or a keyword differs from its default while
-            ``options`` is given (two ways to say one setting: which one was meant is not guessed).
+            ``options`` is given (which of the two was meant is not guessed).
     """
     defaults = {f.name: f.default for f in dataclasses.fields(SolverOptions) if f.init}
     defaults["time_limit_s"] = time_limit_default

@@ -314,15 +314,11 @@ class SacProblem:
         return float(np.max(self.peaks(ones, ones, with_extra=False)))
 
     def sequential(self, members: Sequence[int]) -> list[int] | None:
-        """Identical candidates in forward order when each runs once and their backwards run in reverse
-        order (sequential blocks); else None.
-
-        For such a class, giving the earlier of two *checkpointed* members the larger discard never raises
-        any event: every running sum ``F`` (forwards finished) and ``D - B`` (backwards not yet started)
-        covers a prefix of the forward order, so swapping two members' discards into decreasing order only
-        raises the sums between them, and the recompute extras stay (both remain checkpointed). So the
-        MILP's ordering rows (:mod:`sacplan.solver.formulation`) cut off no optimum, only symmetric copies of it.
-        """
+        """Identical candidates in forward order when each runs once and their backwards run in reverse order
+        (sequential blocks); else None. Giving the earlier of two *checkpointed* members the larger discard then
+        never raises an event: every running sum ``F`` (forwards finished) and ``D - B`` (backwards not yet
+        started) covers a prefix of the forward order, so the swap only raises the sums between them, and the
+        recompute extras stay. The MILP's ordering rows cut off no optimum, only symmetric copies."""
         if any(self.candidates[s].calls != 1 or max(self.surge(s), default=0) > 0 for s in members):
             return None  # a surge sits at the member's own rc event, not in a running sum: the swap may raise it
         fw_pos = {int(sl): p for p, sl in enumerate(self.fw_slot)}
@@ -335,13 +331,11 @@ class SacProblem:
         return seq
 
     def linear_terms(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes),
-        less the option-dependent :meth:`surge` at rc events (none where ``ev_surge`` is -1 everywhere).
-
-        ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
-        checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
-        recompute transient and RNG-state copy at its rc events). Both are the timeline's own :meth:`~sacplan.timeline.Timeline.freed`
-        of one column per candidate. Memoised."""
+        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes), but
+        the option-dependent :meth:`surge` at rc events: ``C[e, s]`` the bytes of ``s``'s calls event ``e`` counts as
+        discarded, ``Y[e, s]`` what checkpointing ``s`` adds there (its per-call overhead from its forward to the end
+        of its backward, its recompute transient and RNG-state copy at its rc events), both by the timeline's
+        :meth:`~sacplan.timeline.Timeline.freed`. Memoised."""
         if getattr(self, "_lin", None) is None:
             tl, nc = self.timeline, self.num_candidates
 
