@@ -113,11 +113,6 @@ def sac_milp(
         return _graph_milp(graph, budget, world_size, ac_units, fsdp_units, opts)
 
 
-def _is_submodule(desc: str, anc: str) -> bool:
-    # PyTorch's ilp_utils.is_submodule (substring test, kept for identical meaning)
-    return anc + "." in desc
-
-
 def _graph_milp(
     graph: Any, budget: int, world_size: int, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None,
     opts: SolverOptions,
@@ -190,7 +185,7 @@ def _candidates(
     chosen = [
         i for i, nd in enumerate(nodes)
         if not nd["is_leaf"] and (ac_set is None or nd["fqn"] in ac_set)
-        and not (fsdp_units and any(_is_submodule(f, nd["fqn"]) for f in fsdp_units))
+        and not (fsdp_units and any(nd["fqn"] + "." in f for f in fsdp_units))  # ilp_utils.is_submodule's test
         and max(float(nd["sac_memory"]), float(nd["act_fw_per_module"])) > 0  # (the reference divides by it)
     ]
     ad = np.asarray(graph.ad_matrix)

@@ -50,16 +50,12 @@ def select_ops(
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    res = _select(ops, int(max_saved_bytes), force_store_random, solver, stop)
+    always, free, _ = split_groups(ops, force_store_random, stop)
+    res = knapsack(GreedyFill(ops, always, free, stop), int(max_saved_bytes), solver)[0]
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
     _CACHE[key] = res
     return res
-
-
-def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver: str, stop: int) -> OpSelection:
-    always, free, _ = split_groups(ops, force_store_random, stop)
-    return knapsack(GreedyFill(ops, always, free, stop), cap, solver)[0]
 
 
 def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:

@@ -98,7 +98,7 @@ def _options_slack(problem: SacProblem, found: Found) -> Found:
 
 def _from_tree_dp(
     problem: SacProblem, dp: TreeDpResult, model: MilpModel, idx: MilpIndex, meta: dict[str, Any],
-    timing: dict[str, float], by: str = "tree-dp",
+    timing: dict[str, float], by: str,
 ) -> Found:
     """The DP's proven optimum (``by``: ``"tree-dp"`` or ``"chain-dp"``) as a :class:`Found`."""
     meta.update(heuristic_ms=None, raw_status=by, lp_bound_ms=None, proved_by=by,
