@@ -277,13 +277,12 @@ def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s:
 
     info = _parse_cbc_log(log)
     result = info.get("result", "")
-    has_x = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    x = [float(v.varValue) if v.varValue is not None else 0.0 for v in cols] if has_x else None
-    if x is not None:
-        # CBC presolve may leave columns that appear in no row at an arbitrary bound value.
-        for j, v in enumerate(cols):
-            if v.varValue is None:
-                x[j] = min(max(0.0, model.col_lb[j]), model.col_ub[j])
+    low = result.lower()
+    x = None
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        # CBC presolve may leave columns that appear in no row without a value: 0 within their bounds
+        x = [float(v.varValue) if v.varValue is not None else min(max(0.0, lb), ub)
+             for v, lb, ub in zip(cols, model.col_lb, model.col_ub)]
     objective = model.evaluate(x) if x is not None else INF
     if result.startswith("Optimal") or (prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal):
         status = OPTIMAL
@@ -296,10 +295,10 @@ def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s:
         else:
             bound = min(objective, info["best_possible"])
         bound = min(bound, objective)
-    elif "infeasible" in result.lower() or prob.status == pulp.LpStatusInfeasible:
+    elif "infeasible" in low or prob.status == pulp.LpStatusInfeasible:
         status, bound, objective = INFEASIBLE, INF, INF
         x = None
-    elif result.startswith("Stopped on time") or "time" in result.lower() or "node" in result.lower():
+    elif "time" in low or "node" in low:  # "Stopped on time", "Stopped on nodes"
         status = TIME_LIMIT
         bound = info.get("bound", info.get("best_possible", -INF))
         if x is not None:
@@ -309,7 +308,6 @@ def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s:
     else:
         status, bound = ERROR, -INF
     gap = relative_gap(objective, bound) if x is not None else INF
-    low = result.lower()
     stopped_by = limits.WORK_LIMIT if "node" in low else limits.WALL_CLOCK if "time" in low else ""
     return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log,
                        nodes=int(info.get("nodes", 0)), stopped_by=stopped_by)
