@@ -243,11 +243,9 @@ class ChainDp(WorkMeter):
         self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float,
         outside: np.ndarray | None, track: np.ndarray,
     ) -> Front3:
-        """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's
-        ``I``), whose outside adds ``out = (omin, omax)`` bytes there and costs at least ``rest`` in the
-        Lagrangian and ``outside`` in the integer bound (see the module docstring and :meth:`node`). Events that
-        do not see the kids as a sequential chain, and those in ``track`` (the caller's), are tracked exactly: each
-        state carries the kids' contributions there (``X``), up to :data:`MAX_TRACKED` of them."""
+        """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's ``I``), the
+        outside as in :meth:`node`. Events that do not see the kids as a sequential chain, and the caller's ``track``,
+        are tracked exactly: each state carries the kids' contributions there (``X``), up to :data:`MAX_TRACKED`."""
         kids, who, prefix, odd = self.order(kids, events) if kids else ([], np.full(len(events), -1),
                                                                          np.zeros(len(events), np.int64),
                                                                          np.zeros(len(events), bool))
@@ -388,10 +386,9 @@ class ChainDp(WorkMeter):
         return self.suffix[key]
 
     def kid_outside(self, kids: list[int], j: int, outside: np.ndarray | None) -> np.ndarray | None:
-        """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside``: the chain's other
-        kids too; only below the root (while the outside is nothing) and for chains of at most
-        :data:`OUTSIDE_KIDS` kids (else None: each costs a sum per kid, and the long chains near the root are
-        where the bound prunes)."""
+        """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside`` (the other kids too):
+        only while the outside is nothing (near the root, where the bound prunes) and for chains of at most
+        :data:`OUTSIDE_KIDS` kids (each costs a sum per kid); else None."""
         if outside is not self.nothing or self.knap is None or len(kids) > OUTSIDE_KIDS:
             return None
         if kids[j] not in self.outside:

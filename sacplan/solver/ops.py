@@ -66,14 +66,11 @@ def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class ModuleOptions:
-    """The exact recompute-vs-memory options of one checkpointed module (per call), for the exact MILP.
-
-    Option ``k`` discards ``ratio[k] · A`` bytes (``A`` = the trade-off's ``max_discard_bytes``) and
-    recomputes ``frac[k] · R`` ms (``R`` = its ``full_recompute_ms``); both strictly increase with ``k``
-    (dominated options are dropped). ``selection[k]`` is the op selection that realises option ``k`` exactly
-    (``None``: full checkpoint, nothing saved); :attr:`capacity` gives its saved bytes (``None`` likewise).
-    ``complete`` is True when the options are *every* Pareto-optimal save list of the module (nothing pruned),
-    so an MILP over them ranges over all plans.
+    """The exact recompute-vs-memory options of one checkpointed module (per call), for the exact MILP: option ``k``
+    discards ``ratio[k] · A`` bytes (``A``: the trade-off's ``max_discard_bytes``) and recomputes ``frac[k] · R`` ms
+    (``R``: its ``full_recompute_ms``), both strictly increasing with ``k``, realised exactly by ``selection[k]``
+    (``None``: the full checkpoint). ``complete``: every Pareto-optimal save list of the module (nothing pruned), so
+    an MILP over them ranges over all plans.
     """
 
     ratio: tuple[float, ...]
