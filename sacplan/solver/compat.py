@@ -6,11 +6,9 @@ not raise, like PyTorch's).
 
 * ``graph`` a :class:`~sacplan.tree.ModuleTree`: sacplan's event-timeline memory model
   (:func:`sacplan.solver.solve`, ratio-only decisions, ``world_size`` = the ranks to plan for).
-* ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, entering the
-  solver through an adapter (:func:`graph_problem`) as a :class:`~sacplan.solver.problem.SacProblem` whose
-  timeline has one forward event per node, solved by the budget MILP (:mod:`sacplan.solver.budget_milp`, gap
-  1e-4 instead of the reference's 5%) and repaired to fit exactly (:func:`~sacplan.solver.repair.repair`). Per
-  node ``i`` (bytes)::
+* ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, as a
+  :class:`~sacplan.solver.problem.SacProblem` with one forward event per node (:func:`graph_problem`), solved by the
+  budget MILP (gap 1e-4, not the reference's 5%) and repaired to fit exactly. Per node ``i`` (bytes)::
 
       d_i  = ACM_i·r_i − (ACM_i − IA_i)·y_i,   (ACM_i − IA_i)/ACM_i·y_i ≤ r_i ≤ y_i
       m_i  = TA_i + AG_i − Σ_{j before i in fw_post_order} d_j + (P_1 + TG_i)/world_size ≤ budget

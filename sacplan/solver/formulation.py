@@ -208,14 +208,10 @@ Mixed = tuple[int, int, tuple[tuple[int, float], ...], float, int]
 def _select_events(
     problem: SacProblem, budget: float | None
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[Rc], float, int]:
-    """Constraints that remain after pruning and dominance.
-
-    Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
-    [(kc, ((slot, bytes added if checkpointed), ...), need, surge slot)] for the events where checkpointing
-    adds bytes (surge slot: the slot whose option-dependent :meth:`SacProblem.surge` the event adds, else -1),
-    the largest ``other`` need, and the number of events dropped. ``need`` is
-    ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
-    """
+    """The events left after pruning and dominance: ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc
+    descending, ``rc`` [(kc, ((slot, bytes added if checkpointed), ...), need, surge slot)] where checkpointing adds
+    bytes (surge slot: whose option-dependent :meth:`SacProblem.surge` the event adds, else -1), the largest ``other``
+    need, and the number dropped. ``need`` is ``base - budget`` (``base`` for the min-peak model, ``budget`` None)."""
     need = problem.ev_base - (0.0 if budget is None else float(budget))
     ph = np.where(problem.ev_mixed, -1, problem.ev_phase)  # interleaved events: _select_mixed
     other = float(np.max(need[ph == OTHER])) if np.any(ph == OTHER) else -math.inf
@@ -283,11 +279,9 @@ def _pareto_added(
 
 
 def _select_mixed(problem: SacProblem, budget: float | None) -> list[Mixed]:
-    """The interleaved events' constraints (:attr:`~sacplan.timeline.Timeline.mixed`: a pipeline stage's schedule)
-    as ``(kf, kb, terms, need, surge slot)``: ``kf``/``kb`` the candidate-entry counts of ``fw_post_order`` /
-    ``bw_pre_order`` before the event, ``terms`` and the surge slot what checkpointing adds there (as for rc events in
-    :func:`_select_events`). Events that fit the budget in the worst case are dropped, and of those with the same
-    ``(kf, kb, slots)`` only the Pareto-maximal ``(need, added bytes)``."""
+    """The interleaved events' rows (:attr:`~sacplan.timeline.Timeline.mixed`, a pipeline stage's schedule) as
+    ``(kf, kb, terms, need, surge slot)``, ``kf``/``kb`` the candidate-entry counts of both orders before the event,
+    selected as the rc events of :func:`_select_events` are (:func:`_pareto_added`)."""
     return [(k[0], k[1], terms, nd, k[3]) for k, terms, nd in _pareto_added(
         problem, budget, np.nonzero(problem.ev_mixed)[0],
         lambda i: (int(problem.kc_fw[problem.ev_kf[i]]), int(problem.kc_bw[problem.ev_kb[i]])))]

@@ -28,10 +28,9 @@ DEFAULT_SWEEP_S = 60.0
 DEFAULT_CERTIFY_S = 300.0
 #: Shortest limit handed to a solver (s): a spent budget still lets it return its warm start.
 MIN_SLICE_S = 0.01
-#: Default deterministic work budget of one call (branch-and-bound nodes over all of its MILPs). Measured proofs
-#: (gap 1e-4): the tiny conformance T5 at its midway budget 690 nodes, near its minimum 127, the tiny Mixtral 67,
-#: llama-small x48 13 count nodes; a node of those costs ~0.02-0.1 s on a 2-core host (more on large trees, where
-#: the wall-clock safety net may then end the search first, and says so).
+#: Default deterministic work budget of one call (branch-and-bound nodes over all of its MILPs). Proofs (gap 1e-4):
+#: the tiny conformance T5 690 nodes at its midway budget, 127 near its minimum, the tiny Mixtral 67, llama-small
+#: x48 13 count nodes; ~0.02-0.1 s a node on a 2-core host (more on large trees: the safety net may end it first).
 DEFAULT_WORK_NODES = 2_000
 #: What :func:`stopped` records: a deterministic work limit, or the wall-clock safety net.
 WORK_LIMIT = "work limit"

@@ -31,13 +31,11 @@ class SolverOptions:
     Attributes:
         solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``; the back-end
             that runs is :attr:`backend`.
-        work_limit: the deterministic budget of the whole call, in branch-and-bound nodes (the solvers' own node
-            counts plus one per LP of sacplan's count branching; None: none). Stopped there, the best plan found
-            is returned with its proven gap, and it is the same plan on every run and every rank, whatever the
-            machine's load. Default :data:`~sacplan.solver.limits.DEFAULT_WORK_NODES`.
-        time_limit_s: wall-clock budget (s) of the whole call (None: none): the safety net. Stopped there, the
-            best plan found is returned with its proven gap, and ``plan.meta["stopped_by"]`` and the warning say
-            that this plan depends on the machine's speed and load. Default 60 (``certify`` 300).
+        work_limit: the whole call's deterministic budget of branch-and-bound nodes (None: none; default
+            :data:`~sacplan.solver.limits.DEFAULT_WORK_NODES`): stopped there, the best plan found, with its proven
+            gap, is the same on every run and rank, whatever the machine's load.
+        time_limit_s: the whole call's wall-clock budget (s; None: none; default 60, ``certify`` 300), the safety
+            net: stopped there, ``plan.meta["stopped_by"]`` and the warning say the plan depends on the machine.
         gap_rel: relative optimality gap to prove, in [0, 1).
         threads: solver threads (None: 1, deterministic).
         op_level: realise ratios as op save lists (else ratio-only decisions).
@@ -47,13 +45,11 @@ class SolverOptions:
             Pareto front of save lists; the MILP then ranges over every plan, and ``plan.meta["options_complete"]``
             says when no front had to be thinned (its proven optimum is then the best plan there is).
         on_interrupt: Ctrl-C during the search: ``"raise"`` or ``"incumbent"`` (return the best plan so far).
-        tree_dp: in exact mode, try the exact tree DP (:mod:`sacplan.solver.tree_dp`) before the MILP: it proves
-            plans where at most a few events can bind in well under a second, and gives up quickly elsewhere.
-            False: the MILP alone (to compare, or to have the back-end prove the plan; no chain DP either).
-        chain_dp: in exact mode, when the tree DP does not apply (many binding events), try the exact DP over
-            sequential blocks (:mod:`sacplan.solver.chain_dp`) before the MILP: it proves the repeated-block
-            trees users bring (BERT, ViT, GPT-2, ConvNeXt...) in seconds, and gives up where the blocks do not
-            run one after another. False: as before it (to compare).
+        tree_dp: in exact mode, try the tree DP (:mod:`sacplan.solver.tree_dp`: few binding events, proofs in well
+            under a second) before the MILP. False: the MILP alone (to compare; no chain DP either).
+        chain_dp: in exact mode, where the tree DP gives up, try the DP over sequential blocks
+            (:mod:`sacplan.solver.chain_dp`: the repeated-block trees users bring, BERT, ViT, GPT-2, ConvNeXt...,
+            in seconds) before the MILP. False: skip it (to compare).
     """
 
     solver: str = "auto"
