@@ -1,21 +1,10 @@
 """Solvers: which modules to checkpoint and which of their ops to save, under a memory budget.
 
-``solve(tree, budget)`` is the entry point (:mod:`sacplan.solver.milp`), a pipeline read top to bottom:
-
-* the problem: :class:`SacProblem` (``problem``: the Timeline read once, exact evaluation in bytes), its
-  candidates (``candidates``) and their exact op-level options (``ops``, ``front``, ``knapsack``);
-* the strategies (``strategies.find``), each a module with one entry: the tree DP (``tree_dp``), the DP over
-  sequential blocks when many events bind (``chain_dp``), the budget MILP (``budget_milp``: the incumbent of
-  ``heuristic`` with the local descent of ``descent``, the LP proof by count branching of ``count_branching``, the
-  back-ends), the min-peak plan at the feasibility edge (``min_peak``);
-* the judge (``judge``): exact bytes, repair (``repair``), realisation as op save lists (``realise``);
-* the Plan.
-
-Beneath: the formulation (``formulation``), the solver-neutral model (``model``: also Ctrl-C's
-``SolveInterrupted``), the back-ends (``backends``: CBC and HiGHS; HiGHS's count branching ``count_branching``), the settings (``options``), the limits (``limits``: the deterministic work budget, the
-wall-clock safety net) and the progress lines (``progress``). Beside the pipeline: ``certify`` (how good can any
-plan be) and ``compat`` (PyTorch's ``sac_milp`` signature; its Graph enters the same problem and budget MILP
-through an adapter).
+``solve(tree, budget)`` (:mod:`sacplan.solver.milp`) is a pipeline: the problem (``problem``, ``candidates``, the
+op-level options of ``ops``, ``front``, ``knapsack``) → the strategies (``strategies``: ``tree_dp``, ``chain_dp``,
+``budget_milp`` with ``heuristic``, ``descent`` and ``count_branching``, ``min_peak``) → the judge (``judge``,
+``repair``, ``realise``) → the Plan. Beneath: ``formulation``, ``model``, ``backends`` (CBC, HiGHS), ``options``,
+``limits``, ``progress``; beside: ``certify`` and ``compat`` (PyTorch's ``sac_milp``).
 """
 
 from sacplan.solver.backends import SOLVERS, solve_model

@@ -1,16 +1,12 @@
-"""MILP back-ends: which solver runs a :class:`~sacplan.solver.model.MilpModel`, and the two that can.
+"""MILP back-ends: :func:`solve_model` runs a :class:`~sacplan.solver.model.MilpModel` on
 
-:func:`solve_model` hands the model to
+* ``"cbc"``: PuLP's bundled CBC through ``COIN_CMD`` (:func:`solve_cbc`): branching priorities handed over natively,
+  CBC's log read for the best bound and gap PuLP does not report;
+* ``"highs"``: ``highspy``, the matrix passed in one call (:func:`solve_highs`); it has no branching priorities:
+  :func:`~sacplan.solver.count_branching.branch_on_priorities` branches on those columns itself.
 
-* ``"cbc"``: COIN-OR CBC, the binary bundled with PuLP, through PuLP's ``COIN_CMD`` (:func:`solve_cbc`): branching
-  priorities handed over natively (``priorityIn``), CBC's log read for the best bound and gap PuLP does not report;
-* ``"highs"``: HiGHS through ``highspy``, the matrix passed in one call (:func:`solve_highs`); it has no branching
-  priorities: :func:`~sacplan.solver.count_branching.branch_on_priorities` branches on those columns itself.
-
-Both return a :class:`~sacplan.solver.model.SolveResult` with a normalised status, objective, best bound,
-relative gap and wall seconds. Runs are deterministic: one thread unless asked otherwise, fixed random seeds, a
-node limit as the work limit (the time limit is only the safety net). :func:`check_solver` normalises a solver
-name; :func:`lp_solver` picks the solver for auxiliary LPs.
+Both return a normalised :class:`~sacplan.solver.model.SolveResult`. Runs are deterministic: one thread unless
+asked otherwise, fixed seeds, a node limit as the work limit (the time limit is only the safety net).
 """
 
 from __future__ import annotations
@@ -75,42 +71,27 @@ def solve_model(
     gap_abs: float = 1e-9,
     threads: int | None = None,
     warm_start: Sequence[float] | None = None,
-    feas_tol: float = 1e-9,
     priorities: Mapping[int, int] | None = None,
     options: Sequence[str] = (),
-    highs_options: Mapping[str, Any] | None = None,
     node_limit: int | None = None,
     shared: bool = True,
 ) -> SolveResult:
-    """Solve ``model`` with ``solver`` ("cbc" or "highs"); see :class:`SolveResult`.
-
-    Args:
-        time_limit_s: wall-clock limit (None = none), capped by the active :func:`limits.deadline`; on expiry
-            the best solution found is returned with status ``"time_limit"`` (``x`` None when none was found).
-            Ctrl-C raises :class:`~sacplan.solver.model.SolveInterrupted` carrying the best result so far.
-        gap_rel, gap_abs: stop once the relative / absolute gap is this small.
-        threads: solver threads (None: serial CBC / one HiGHS thread, which keeps the search deterministic).
-        warm_start: a full column vector to start from (a feasible incumbent helps a lot).
-        feas_tol: primal feasibility tolerance (model units).
-        priorities: branching priorities for integer columns, ``{column: priority}`` (smaller = branched
-            first). CBC reads them natively; for HiGHS, which has none, they are branched on first by
-            :func:`~sacplan.solver.count_branching.branch_on_priorities`.
-        options: extra raw CBC command-line options (CBC only), e.g. ``["preprocess off"]``.
-        highs_options: extra HiGHS options (HiGHS only), e.g. ``{"mip_heuristic_effort": 0.0}``.
-        node_limit: branch-and-bound nodes this run may explore (None: none of its own); deterministic.
-        shared: also bounded by, and charged to, the call's work budget (:func:`limits.work`); False for the
-            small auxiliary MILPs (op-level knapsacks) that carry their own ``node_limit``.
-
-    A run cut short is recorded with :func:`limits.stopped` (work limit, or the wall-clock safety net).
-    """
+    """Solve ``model`` with ``solver`` (``"cbc"`` or ``"highs"``) under the settings of
+    :class:`~sacplan.solver.model.RunSettings`, the time limit capped by the call's :func:`limits.deadline` and,
+    when ``shared``, the node limit by its :func:`limits.work` budget, which the run is charged (False: the small
+    op-level knapsacks, which carry their own). ``priorities``: ``{integer column: priority}``, smaller branched
+    first (CBC natively; HiGHS by :func:`~sacplan.solver.count_branching.branch_on_priorities`). ``options``: raw
+    CBC options, e.g. ``["preprocess off"]``. Cut short, the best solution found comes with status
+    ``"time_limit"`` (``x`` None when none) and the stop is recorded (:func:`limits.stopped`); Ctrl-C raises
+    :class:`~sacplan.solver.model.SolveInterrupted` with the best result so far."""
     name = check_solver(solver)
     if model.num_cols == 0:
         return SolveResult(OPTIMAL, [], model.obj_offset, model.obj_offset, 0.0, 0.0, name, "empty")
     time_limit_s = limits.remaining(time_limit_s)  # never past the enclosing call's budget (limits.deadline)
     if shared:
         node_limit = limits.nodes_left(node_limit)
-    run = RunSettings(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol, node_limit)
-    res = _run(model, name, run, priorities, options, highs_options)
+    run = RunSettings(time_limit_s, gap_rel, gap_abs, threads, warm_start, node_limit=node_limit)
+    res = _run(model, name, run, priorities, options)
     if shared:
         limits.spend(res.nodes)
     if res.stopped_by:
@@ -119,8 +100,7 @@ def solve_model(
 
 
 def _run(
-    model: MilpModel, name: str, run: RunSettings, priorities: Mapping[int, int] | None, options: Sequence[str],
-    highs_options: Mapping[str, Any] | None,
+    model: MilpModel, name: str, run: RunSettings, priorities: Mapping[int, int] | None, options: Sequence[str]
 ) -> SolveResult:
     """One back-end run (CBC with its fallbacks, or HiGHS with count branching)."""
     if name == "cbc":
@@ -138,19 +118,17 @@ def _run(
                 res = solve_highs(model, run)
                 return dataclasses.replace(res, log=f"CBC failed ({first}); solved with HiGHS\n" + res.log)
     if priorities and any(model.col_int):
-        return count_branching.branch_on_priorities(model, priorities, run, highs_options)
-    return solve_highs(model, run, highs_options)
+        return count_branching.branch_on_priorities(model, priorities, run)
+    return solve_highs(model, run)
 
 
 def lp_solver(solver: str) -> str:
-    """Auxiliary problems (the heuristic's LPs, op-level knapsacks) run in-process with HiGHS when highspy is
-    installed (a CBC call costs a subprocess and an MPS file each); the module-level MILP always runs on
-    the solver asked for."""
+    """The back-end of auxiliary problems (the heuristic's LPs, op-level knapsacks): in-process HiGHS when
+    installed (a CBC call costs a subprocess and an MPS file), else ``solver``."""
     return "highs" if _has_highs() else solver
 
 
 def _has_highs() -> bool:
-    """Whether highspy (HiGHS) can be imported."""
     try:
         import highspy  # noqa: F401
     except ImportError:
@@ -195,20 +173,18 @@ def _parse_cbc_log(text: str) -> dict[str, Any]:
 def solve_cbc(
     model: MilpModel, run: RunSettings, priorities: Mapping[int, int] | None = None, extra_options: Sequence[str] = ()
 ) -> SolveResult:
-    """Solve ``model`` with PuLP's CBC under ``run`` (``priorities``: branching priorities per integer column;
-    ``extra_options``: raw CBC command-line options)."""
+    """Solve ``model`` with PuLP's CBC under ``run`` (``priorities``, ``extra_options``: as :func:`solve_model`)."""
     import pulp
 
-    time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol = run.fields()
     prob, cols = _pulp_problem(model)
-    if warm_start is not None:
-        for v, x0 in zip(cols, warm_start):
+    if run.warm_start is not None:
+        for v, x0 in zip(cols, run.warm_start):
             v.setInitialValue(float(x0), check=False)
     options = [
         "randomCbcSeed 1",
         "randomSeed 1",
-        f"primalTolerance {feas_tol:g}",
-        f"integerTolerance {max(feas_tol, 1e-9):g}",
+        f"primalTolerance {run.feas_tol:g}",
+        f"integerTolerance {max(run.feas_tol, 1e-9):g}",
     ]
     if run.node_limit is not None:
         options.append(f"maxNodes {max(1, int(run.node_limit))}")  # counted: the same stop on every run
@@ -229,11 +205,11 @@ def solve_cbc(
         cmd = pulp.COIN_CMD(
             path=cbc_path(),
             msg=False,
-            timeLimit=None if time_limit_s is None else max(0.01, float(time_limit_s)),
-            gapRel=gap_rel,
-            gapAbs=gap_abs,
-            threads=threads,  # None: CBC's serial default (deterministic)
-            warmStart=warm_start is not None,
+            timeLimit=None if run.time_limit_s is None else max(0.01, float(run.time_limit_s)),
+            gapRel=run.gap_rel,
+            gapAbs=run.gap_abs,
+            threads=run.threads,  # None: CBC's serial default (deterministic)
+            warmStart=run.warm_start is not None,
             logPath=log_path,
             options=options,
         )
@@ -301,13 +277,12 @@ def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s:
 
     info = _parse_cbc_log(log)
     result = info.get("result", "")
-    has_x = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    x = [float(v.varValue) if v.varValue is not None else 0.0 for v in cols] if has_x else None
-    if x is not None:
-        # CBC presolve may leave columns that appear in no row at an arbitrary bound value.
-        for j, v in enumerate(cols):
-            if v.varValue is None:
-                x[j] = min(max(0.0, model.col_lb[j]), model.col_ub[j])
+    low = result.lower()
+    x = None
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        # CBC presolve may leave columns that appear in no row without a value: 0 within their bounds
+        x = [float(v.varValue) if v.varValue is not None else min(max(0.0, lb), ub)
+             for v, lb, ub in zip(cols, model.col_lb, model.col_ub)]
     objective = model.evaluate(x) if x is not None else INF
     if result.startswith("Optimal") or (prob.status == pulp.LpStatusOptimal and prob.sol_status == pulp.LpSolutionOptimal):
         status = OPTIMAL
@@ -320,10 +295,10 @@ def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s:
         else:
             bound = min(objective, info["best_possible"])
         bound = min(bound, objective)
-    elif "infeasible" in result.lower() or prob.status == pulp.LpStatusInfeasible:
+    elif "infeasible" in low or prob.status == pulp.LpStatusInfeasible:
         status, bound, objective = INFEASIBLE, INF, INF
         x = None
-    elif result.startswith("Stopped on time") or "time" in result.lower() or "node" in result.lower():
+    elif "time" in low or "node" in low:  # "Stopped on time", "Stopped on nodes"
         status = TIME_LIMIT
         bound = info.get("bound", info.get("best_possible", -INF))
         if x is not None:
@@ -332,10 +307,7 @@ def _cbc_result(model: MilpModel, prob: Any, cols: list[Any], log: str, solve_s:
         status, bound = TIME_LIMIT, info.get("bound", -INF)
     else:
         status, bound = ERROR, -INF
-    if x is None and status == TIME_LIMIT:
-        objective = INF
     gap = relative_gap(objective, bound) if x is not None else INF
-    low = result.lower()
     stopped_by = limits.WORK_LIMIT if "node" in low else limits.WALL_CLOCK if "time" in low else ""
     return SolveResult(status, x, objective, bound, gap, solve_s, "cbc", result or pulp.LpStatus[prob.status], log,
                        nodes=int(info.get("nodes", 0)), stopped_by=stopped_by)
@@ -347,9 +319,8 @@ _HIGHS_STARTED = False
 
 
 def _new_highs() -> Any:
-    """A ``highspy.Highs``; the first of a process is built with file descriptor 1 pointed at /dev/null, since
-    HiGHS prints its banner from C++ on first construction, before ``output_flag`` can be set (it would land
-    in the middle of the CLI's plan, or in a user's own output)."""
+    """A ``highspy.Highs``, the first of a process built with file descriptor 1 on /dev/null: HiGHS prints its
+    banner from C++ then, before ``output_flag`` can be set (into the CLI's plan, or a user's output)."""
     global _HIGHS_STARTED
     import highspy
 
@@ -374,7 +345,7 @@ def _new_highs() -> Any:
 
 
 def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, Any] | None = None) -> SolveResult:
-    """Solve ``model`` with in-process HiGHS under ``run`` (``highs_options``: extra HiGHS options)."""
+    """Solve ``model`` with in-process HiGHS under ``run`` (``highs_options``: extra HiGHS options, by name)."""
     import highspy
 
     h = _highs_configured(run, highs_options)
@@ -415,8 +386,7 @@ def solve_highs(model: MilpModel, run: RunSettings, highs_options: Mapping[str, 
 
 
 def _highs_wait(h: Any) -> bool:
-    """Run a prepared ``highspy.Highs`` in its solver thread, reporting progress; True when Ctrl-C stopped it
-    (the caller reads the best solution and raises :class:`~sacplan.solver.model.SolveInterrupted`)."""
+    """Run a prepared ``highspy.Highs`` in its thread, reporting progress; True when Ctrl-C stopped it."""
     stop = [False]
     seen = [math.inf, -math.inf, math.inf]
 
@@ -449,19 +419,17 @@ def _highs_wait(h: Any) -> bool:
 
 
 def _highs_configured(run: RunSettings, highs_options: Mapping[str, Any] | None) -> Any:
-    """A fresh ``highspy.Highs`` with ``run``'s settings: one thread and a fixed seed unless asked otherwise
-    (deterministic), the gaps, tolerances, node limit (deterministic) and time limit (the safety net)."""
-    time_limit_s, gap_rel, gap_abs, threads, _, feas_tol = run.fields()
+    """A fresh ``highspy.Highs`` with ``run``'s settings (one thread and a fixed seed unless asked otherwise)."""
     h = _new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 1)
-    h.setOptionValue("threads", int(threads) if threads else 1)
-    h.setOptionValue("mip_rel_gap", float(gap_rel))
-    h.setOptionValue("mip_abs_gap", float(gap_abs))
-    h.setOptionValue("primal_feasibility_tolerance", max(feas_tol, 1e-10))
-    h.setOptionValue("mip_feasibility_tolerance", max(feas_tol, 1e-10))
-    if time_limit_s is not None:
-        h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+    h.setOptionValue("threads", int(run.threads) if run.threads else 1)
+    h.setOptionValue("mip_rel_gap", float(run.gap_rel))
+    h.setOptionValue("mip_abs_gap", float(run.gap_abs))
+    h.setOptionValue("primal_feasibility_tolerance", max(run.feas_tol, 1e-10))
+    h.setOptionValue("mip_feasibility_tolerance", max(run.feas_tol, 1e-10))
+    if run.time_limit_s is not None:
+        h.setOptionValue("time_limit", max(0.01, float(run.time_limit_s)))
     if run.node_limit is not None:
         h.setOptionValue("mip_max_nodes", max(1, int(run.node_limit)))
     for k, v in (highs_options or {}).items():
@@ -470,18 +438,17 @@ def _highs_configured(run: RunSettings, highs_options: Mapping[str, Any] | None)
 
 
 def _highs_lp(model: MilpModel) -> Any:
-    """``model`` as a ``highspy.HighsLp`` (rowwise matrix, integrality when any column is integer)."""
+    """``model`` as a ``highspy.HighsLp`` (rowwise matrix; ``highspy.kHighsInf`` is ``math.inf``)."""
     import highspy
 
-    inf = highspy.kHighsInf
     lp = highspy.HighsLp()
     lp.num_col_ = model.num_cols
     lp.num_row_ = model.num_rows
     lp.col_cost_ = np.asarray(model.col_cost, dtype=float)
-    lp.col_lower_ = np.asarray([(-inf if v == -INF else v) for v in model.col_lb], dtype=float)
-    lp.col_upper_ = np.asarray([(inf if v == INF else v) for v in model.col_ub], dtype=float)
-    lp.row_lower_ = np.asarray([(-inf if v == -INF else v) for v in model.row_lb], dtype=float)
-    lp.row_upper_ = np.asarray([(inf if v == INF else v) for v in model.row_ub], dtype=float)
+    lp.col_lower_ = np.asarray(model.col_lb, dtype=float)
+    lp.col_upper_ = np.asarray(model.col_ub, dtype=float)
+    lp.row_lower_ = np.asarray(model.row_lb, dtype=float)
+    lp.row_upper_ = np.asarray(model.row_ub, dtype=float)
     lp.offset_ = float(model.obj_offset)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.num_col_ = model.num_cols
@@ -498,7 +465,7 @@ def _highs_lp(model: MilpModel) -> Any:
 
 def _highs_result(model: MilpModel, ms: Any, info: Any, raw: str, x: list[float] | None, objective: float,
             solve_s: float) -> SolveResult:
-    """The normalised :class:`SolveResult` of a finished HiGHS run (model status ``ms``, ``info``)."""
+    """The normalised :class:`SolveResult` of a finished HiGHS run (model status ``ms``)."""
     import highspy
 
     status_of = highspy.HighsModelStatus

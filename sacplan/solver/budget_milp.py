@@ -1,10 +1,6 @@
-"""The MILP strategy: the budget MILP searched from the heuristic's incumbent, solved to exactness in bytes.
-
-:func:`solve_budget_milp` is its one entry: the heuristic incumbent (:func:`~sacplan.solver.heuristic.heuristic`),
-then an LP proof of it (:func:`~sacplan.solver.count_branching.prove_by_lp_branching`) or the back-end's branch-and-bound
-(:func:`~sacplan.solver.backends.solve_model`, class counts branched first), then no-good cuts over solutions a
-solver's tolerance let a few bytes over the budget. Everything is bounded by the call's work budget
-(:func:`~sacplan.solver.limits.work`); Ctrl-C returns the best plan so far when ``on_interrupt="incumbent"``.
+"""The MILP strategy (:func:`solve_budget_milp`): the heuristic's incumbent, then an LP proof of it or the
+back-end's branch-and-bound (class counts branched first), then no-good cuts over solutions a solver's tolerance let
+a few bytes over the budget; Ctrl-C returns the best plan so far when ``on_interrupt="incumbent"``.
 """
 
 from __future__ import annotations
@@ -32,9 +28,8 @@ MAX_CUTS = 32
 
 @dataclasses.dataclass(frozen=True)
 class MilpRun:
-    """What the MILP strategy produced: the back-end's (or LP proof's) ``result``, the no-good ``cuts`` added,
-    whether the LP bounds alone proved it (``by_lp``), the heuristic's incumbent ``start`` (y, r) or None, the
-    LP relaxation's objective ``lp_bound`` (ms) and the heuristic's wall seconds."""
+    """The back-end's (or LP proof's) ``result``, the no-good ``cuts`` added, whether the LP bounds alone proved it,
+    the heuristic's incumbent (y, r) or None, the LP relaxation's objective (ms) and the heuristic's seconds."""
 
     result: SolveResult
     cuts: int
@@ -66,19 +61,16 @@ def _exact_in_bytes(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, warm: list[float] | None, budget: float,
     opts: SolverOptions, lp_bound: float | None,
 ) -> tuple[SolveResult, int, bool]:
-    """Solve the budget MILP; in exact mode, also to exactness in bytes.
+    """Solve the budget MILP, in exact mode to exactness in bytes: (result, cuts added, whether the LP bounds alone
+    proved it).
 
-    Returns (result, cuts added, whether the LP bounds alone proved it: :func:`prove_by_lp_branching`).
-
-    A solver accepts rows violated by up to its feasibility tolerance (~1e-9 GiB, about a byte here), so at a
-    budget met with equality it may return a plan a few bytes over. In exact mode every column is fixed by
-    the binary columns (``y``, option levels ``w``), so such a solution is removed exactly by a no-good cut
-    over them — ``Σ_{x_j=0} x_j + Σ_{x_j=1} (1 - x_j) ≥ 1`` — which excludes that one assignment and no
-    other, and the model is solved again: the optimum over exactly feasible plans, proven. (Repairing the
-    ratio of some checkpointed module instead, as the lines mode does, is not optimal in exact mode: it jumps
-    to a dearer option, or to the min-peak fallback when nothing was checkpointed.) CBC runs with
-    preprocessing off: on budgets met with equality its preprocessing has cut off the optimum (a 3-module
-    tree: 25.912 ms "optimal" against 22.994 ms with it off, and by brute force).
+    A solver accepts rows violated by up to its feasibility tolerance (~1e-9 GiB, about a byte), so at a budget
+    met with equality it may return a plan a few bytes over. In exact mode the binary columns (``y``, levels
+    ``w``) fix every column, so a no-good cut over them, ``Σ_{x_j=0} x_j + Σ_{x_j=1} (1 - x_j) ≥ 1``, removes
+    exactly that assignment, and the model is solved again: the optimum over exactly feasible plans, proven
+    (repairing a ratio instead jumps to a dearer option, or to the min-peak plan). CBC runs with preprocessing
+    off: on budgets met with equality it has cut off the optimum (a 3-module tree: 25.912 ms "optimal" against
+    22.994 ms, also by brute force).
     """
     binaries = (idx.y + [j for cols in idx.w.values() for j in cols]) if problem.exact else []
     # branch on class counts first (CBC's preprocessing would substitute the count columns away), then on how
@@ -108,10 +100,9 @@ def prove_or_search(
     model: MilpModel, warm: list[float] | None, priorities: dict[int, int], opts: SolverOptions,
     root_bound: float | None,
 ) -> tuple[SolveResult, bool]:
-    """``model`` solved from the incumbent ``warm``: proven by LP bounds alone, branching on the ``priorities``
-    columns (class counts; :func:`~sacplan.solver.count_branching.prove_by_lp_branching`), else by the back-end's
-    branch-and-bound, those columns branched on first (smaller priority first). ``root_bound``: the LP
-    relaxation's objective when known (ms). Returns the result and whether the LP bounds proved it."""
+    """``model`` solved from the incumbent ``warm``, proven by LP bounds alone branching on the ``priorities``
+    columns (:func:`~sacplan.solver.count_branching.prove_by_lp_branching`; ``root_bound``: the LP relaxation's
+    objective, ms, when known), else by the back-end, those columns branched first; and whether the LPs proved it."""
     proven = prove_by_lp_branching(
         model, warm, list(priorities), gap_rel=opts.gap_rel, root_bound=root_bound, backend=opts.backend)
     if proven is not None:

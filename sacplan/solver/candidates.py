@@ -1,14 +1,6 @@
-"""Checkpoint candidates: which modules the MILP may checkpoint, and what each one costs to recompute.
-
-* :class:`Candidate`: one module that may be checkpointed (bytes per call, recompute ms, the convex trade-off
-  lines its cost follows, its nearest candidate ancestor);
-* :func:`select_candidates` picks them from a :class:`~sacplan.tree.ModuleTree` (eligibility, ``ac_units``,
-  ``fsdp_units``, the bytes a checkpointed call keeps);
-* :func:`envelope` keeps the trade-off lines that matter on ``r ∈ [0, 1]``; :func:`relaxed_candidate` swaps
-  them for the LP relaxation of the module's op-level knapsack (lower-bound mode).
-
-:class:`~sacplan.solver.problem.SacProblem` builds on these.
-"""
+"""Checkpoint candidates (:class:`Candidate`): which modules of a tree the MILP may checkpoint
+(:func:`select_candidates`) and what each one costs to recompute (trade-off lines, :func:`envelope`; their LP
+relaxation in lower-bound mode, :func:`relaxed_candidate`)."""
 
 from __future__ import annotations
 
@@ -60,17 +52,9 @@ class Candidate:
 def select_candidates(
     tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None
 ) -> tuple[list[Candidate], list[str]]:
-    """The modules the MILP may checkpoint, in pre-order (slot = position), and notes on named ``ac_units`` that
-    cannot be (each a warning for the user).
-
-    Args:
-        tree: the collected module tree.
-        ac_units: allowed checkpoint units (None: every eligible module except the root).
-        fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
-
-    Each checkpointed call keeps :func:`~sacplan.devices.checkpoint_state_bytes` of the tree's target device
-    (the stashed RNG state, for a region that draws random numbers) besides its saved tensors.
-    """
+    """The modules of ``tree`` the MILP may checkpoint, in pre-order (slot = position), and notes (warnings) on named
+    ``ac_units`` that cannot be. ``ac_units``: allowed units (None: every eligible module but the root);
+    ``fsdp_units``: no unit may be an ancestor of one."""
     if isinstance(ac_units, str) or isinstance(fsdp_units, str):
         raise ConfigError("ac_units / fsdp_units must be lists of module names, not a single string")
     post_calls: dict[str, int] = {}
@@ -176,14 +160,11 @@ def _nesting(tree: ModuleTree, chosen: list[int]) -> tuple[list[int], list[bool]
 
 
 def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[float, ...], float]:
-    """Per call, the bytes checkpointing keeps besides saved tensors (``ck_overhead``: the stashed RNG state,
-    :func:`~sacplan.devices.checkpoint_state_bytes`; :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and the smallest discard ratio at which every call
-    frees at least that much.
-
-    Checkpointing a call that keeps more than it frees only adds bytes, so only ratios at or above that
-    minimum are offered: this cuts off dominated choices only, and keeps running sums of discards
-    monotone (what lets the MILP's event selection, :mod:`sacplan.solver.formulation`, drop dominated
-    events)."""
+    """Per call, the bytes checkpointing keeps besides saved tensors (``ck_overhead``, the stashed RNG state of
+    :func:`~sacplan.devices.checkpoint_state_bytes`, plus :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and
+    the smallest discard ratio at which every call frees at least that much: only ratios above it are offered,
+    which cuts off dominated choices only and keeps running sums of discards monotone (what lets
+    :mod:`sacplan.solver.formulation` drop dominated events)."""
     held = ms.held_input_bytes
     over = tuple(ck_overhead + float(held[c] if c < len(held) else 0) for c in range(calls))
     acts = _act_per_call(ms, calls)
@@ -213,12 +194,9 @@ def relaxed_candidate(tree: ModuleTree, c: Candidate) -> Candidate:
 
 
 def envelope(slopes: Sequence[float], intercepts: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The lines of ``max(0, max_s(slope_s·r + intercept_s))`` that are maximal somewhere on ``r ∈ [0, 1]``.
-
-    Duplicates and lines dominated on [0, 1] (by another line or by ``q ≥ 0``) add rows but no strength: the
-    perspective ``q ≥ slope·r + intercept·y`` of a line dominated on [0, 1] is dominated for every
-    ``0 ≤ r ≤ y``. Returned sorted by slope (at least one line is kept). Memoised (repeated blocks).
-    """
+    """The lines of ``max(0, max_s(slope_s·r + intercept_s))`` maximal somewhere on ``r ∈ [0, 1]``, by slope (at
+    least one). The perspective ``q ≥ slope·r + intercept·y`` of a line dominated on [0, 1] is dominated for every
+    ``0 ≤ r ≤ y``: it adds a row but no strength. Memoised (repeated blocks)."""
     return _envelope(tuple(float(a) for a in slopes), tuple(float(b) for b in intercepts))
 
 

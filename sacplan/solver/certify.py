@@ -1,13 +1,10 @@
 """How good can any plan be? The best plan over *every* plan, and a lower bound, at one budget.
 
-``solve`` picks among at most ``max_options`` save lists per module and, by default, among every module with
-discardable activations except the root (leaves included). :func:`certify` widens both: the root too
-(:func:`every_unit`) and each module's whole Pareto front of save lists (``max_options=None``). When
-no front had to be thinned and the solver proves optimality, its objective is the least recompute time any
-plan can have under sacplan's memory model — the yardstick for a target such as "a third of full
-checkpointing" — and the fractional bound (:func:`~sacplan.solver.milp.recompute_lower_bound`) over the same
-units is reported beside it (it needs no integer search, so it answers on models where the whole-front MILP
-is too large for the time limit).
+:func:`certify` widens ``solve``'s choice to every unit (the root too, :func:`every_unit`) and each module's whole
+Pareto front of save lists (``max_options=None``): when no front was thinned and the optimum is proven, it is the
+least recompute any plan can have under sacplan's memory model. The fractional bound
+(:func:`~sacplan.solver.milp.recompute_lower_bound`) over the same units stands beside it (no integer search: it
+answers where the whole-front MILP is too large for the time limit).
 """
 
 from __future__ import annotations
@@ -88,15 +85,13 @@ def certify(
     """The best plan over every plan at ``budget`` (proven when tractable) and a lower bound over every plan.
 
     Args:
-        tree: the collected module tree.
-        budget: as :func:`~sacplan.solver.milp.solve`.
+        tree, budget: as :func:`~sacplan.solver.milp.solve`.
         units: the checkpoint units allowed (default :func:`every_unit`).
-        solver: MILP back-end.
-        time_limit_s: wall-clock budget (s) of the whole call (default 300; None: none): at most half for the
-            lower bound, the rest for the whole-front MILP; when it stops first the certificate keeps the best plan
-            found, ``proven=False``, and the lower bound. <= 0 or NaN: ConfigError.
-        options: the settings as one :class:`~sacplan.solver.options.SolverOptions` instead of ``solver`` and
-            ``time_limit_s`` (its ``max_options`` is overridden: whole fronts are the point).
+        solver, time_limit_s: as :class:`~sacplan.solver.options.SolverOptions`; the time limit (default 300 s)
+            is the whole call's, at most half for the lower bound: stopped first, the certificate keeps the best
+            plan found, ``proven=False``, and the lower bound.
+        options: all settings as one :class:`~sacplan.solver.options.SolverOptions` (its ``max_options`` is
+            overridden: whole fronts are the point).
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).

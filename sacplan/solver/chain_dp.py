@@ -1,96 +1,78 @@
 r"""Exact DP over sequential blocks, for trees where many events can bind (the trees users bring, issue 26).
 
-The tree DP (:mod:`sacplan.solver.tree_dp`) keeps, per subtree, the Pareto front of (cost, contribution at every
-binding event): exact, but hopeless past ~16 binding events, and BERT-large, ViT-L, GPT-2 XL have hundreds. Yet
-a checkpointed candidate ``s`` at level ``k`` contributes ``v_{s,k}[e] = C[e,s]·ρ_k - Y[e,s] - surge`` bytes
-(:meth:`~sacplan.solver.problem.SacProblem.linear_terms`) and, at most events, that is one of two numbers:
+The tree DP (:mod:`sacplan.solver.tree_dp`) keeps per subtree the Pareto front of (cost, contribution at every
+binding event): hopeless past ~16 binding events, and BERT-large, ViT-L, GPT-2 XL have hundreds. But a checkpointed
+candidate ``s`` at level ``k`` contributes ``v_{s,k}[e] = C[e,s]·ρ_k - Y[e,s] - surge`` bytes
+(:meth:`~sacplan.solver.problem.SacProblem.linear_terms`), at most events one of two numbers: **held**
+(``C[e,s] = A_s``, all its calls' activation bytes, and ``Y[e,s] = o_s``, its overhead: from the end of its
+forward to the start of its backward), contributing ``h_{s,k} = A_s·ρ_k - o_s``; **zero** (before its forward
+ends, after its backward); else **internal** (its backward, rc events, surge), at few. Let ``I_P`` be the events
+where subtree ``P``'s candidates are neither all held nor all zero (``A_s = o_s = 0`` counts as both). Outside
+``I_P`` a decision of ``P`` contributes one scalar (its held bytes, or 0), so ``P``'s front needs three numbers:
+cost ``q`` (ms, ↓), held bytes ``h`` (↑), requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓):
+the decision meets ``I_P`` iff the outside's offset ``O`` there (uniform over ``I_P``, below) is ``>= ρ``.
 
-* **held**: ``C[e,s] = A_s`` (all its calls' activation bytes) and ``Y[e,s] = o_s`` (its per-call overhead) —
-  between the end of its forward and the start of its backward — contributing ``h_{s,k} = A_s·ρ_k - o_s``;
-* **zero**: ``C[e,s] = Y[e,s] = 0`` — before its forward ends, after its backward;
-
-and **internal** (anything else: inside its backward, its rc events, its surge) at few. For a subtree ``P`` let
-``I_P`` be the events where its candidates are not all held and not all zero (a candidate with ``A_s = o_s = 0``
-counts as both): outside ``I_P`` every decision of ``P`` contributes one scalar, its held bytes ``h`` (or 0). So
-the front of ``P`` needs only three numbers per decision: cost ``q`` (ms, ↓), held bytes ``h`` (↑) and its
-requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓): the decision meets every event of
-``I_P`` iff what the candidates outside ``P`` add there — one offset ``O``, the same at every event of ``I_P``
-(below) — is ``>= ρ``.
-
-* ``P`` checkpointed at level ``k`` (its descendants not): ``(q_k, h_{P,k}, max_{e∈I_P}(need[e] - v_{P,k}[e]))``.
-* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**. At an event of ``I_P`` the
-  children must be *held* for a prefix ``T_1..T_{t-1}`` and *zero* after it, and at an event of ``I_{T_j}`` exactly
-  the prefix ``T_1..T_{j-1}`` held (the sequential nesting of forward and backward; checked: the events where it
-  fails are *tracked*, below). So the DP sweeps the children keeping the Pareto set of states
-  ``(cost ↓, H ↑, R ↓)``: ``H`` the held bytes of the children so far, ``R`` the largest requirement so far
-  relative to ``O``. Adding child ``j``'s point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ - H))``; an event
-  of ``I_P`` with prefix ``t`` and no child internal adds ``max(R, need[e] - H)`` before child ``t``. Each update
-  is monotone in the state, so a dominated state never leads to a better plan: the Pareto filter is exact. The
-  chain's end ``(cost, H, R)`` is ``P``'s point (``h = H``, ``ρ = R``). Inside ``I_{T_j}`` the other children are
-  held (before ``j``) or zero (after): a uniform offset, as claimed above, by induction from the root.
-* **Tracked events**: where siblings overlap (nn.Transformer's post-norm decoder layer: part of the cross
-  attention's backward runs after norm1's; a block called twice), an event sees no prefix, or two kids inside.
-  Such events (and those the caller tracks) are kept out of ``R``: each state carries the kids' exact sum there
-  (one more coordinate each, more is better in the Pareto filter; a kid adds its ``h`` where held, 0 where zero,
-  its own tracked sum where inside — its front carries those), and at the chain's end ``need[e] - sum`` joins
-  ``R`` (the outside's offset is uniform there: the caller sees a prefix) or passes up to the caller that tracks
-  it. Up to :data:`MAX_TRACKED` per chain, else the DP gives up.
-* The root: the chain of the top-level candidates over every binding event with offset 0; the cheapest final
-  state with ``R <= tol`` is the optimum.
+* ``P`` checkpointed at level ``k``: ``(q_k, h_{P,k}, max_{e∈I_P}(need[e] - v_{P,k}[e]))``.
+* ``P`` not checkpointed: its children ``T_1..T_m`` in forward order form a **chain**: at an event of ``I_P`` a
+  prefix ``T_1..T_{t-1}`` is held and the rest zero, at an event of ``I_{T_j}`` exactly ``T_1..T_{j-1}``
+  (sequential forwards and backwards; where that fails the event is *tracked*, below). The DP sweeps the children
+  keeping the Pareto set of states ``(cost ↓, H ↑, R ↓)``, ``H`` the held bytes so far, ``R`` the largest
+  requirement so far relative to ``O``: child ``j``'s point ``(q, h, ρ)`` gives ``(cost + q, H + h, max(R, ρ -
+  H))``; an event of ``I_P`` with prefix ``t`` and no child inside adds ``max(R, need[e] - H)`` before child ``t``.
+  Each update is monotone in the state, so the Pareto filter is exact; the chain's end is ``P``'s point. Inside
+  ``I_{T_j}`` the other children are held or zero: a uniform offset, as claimed, by induction from the root.
+* **Tracked events**: where siblings overlap (nn.Transformer's post-norm decoder layer, a block called twice) an
+  event sees no prefix, or two kids inside. Such events (and the caller's) stay out of ``R``: each state carries
+  the kids' exact sum there (one coordinate each, more is better; a kid adds ``h`` where held, 0 where zero, its
+  own tracked sum where inside), and at the chain's end ``need[e] - sum`` joins ``R`` or passes up to the caller
+  that tracks it. At most :data:`MAX_TRACKED` per chain.
+* The root: the chain of the top-level candidates over every binding event, offset 0; the cheapest final state
+  with ``R <= tol`` is the optimum.
 
 Pruning, all exact:
 
-* ``R`` above the largest offset the outside can give (the sum of the held upper bounds of what is held there)
-  plus ``tol`` can never be met; ``R`` below the smallest (the held lower bounds) is met by every completion, so
-  it is raised to it; a held sum above ``hcap`` (the largest need minus every candidate's most negative
-  contribution) meets every event it enters whatever the rest does, so it is lowered to it.
-* A bound: for the most binding event ``e*`` and a multiplier ``λ >= 0`` (bytes → ms), the Lagrangian
-  ``λ·need[e*] + Σ_s min(0, min_k q_{s,k} - λ·v_{s,k}[e*], children)`` is a lower bound of every plan's cost
-  (``λ`` maximises it: golden-section search, a fixed number of steps). A state of a chain whose kids so far are
-  all held at ``e*`` (contributing ``H`` there) can lead to no plan cheaper than ``cost - λ·H + λ·need[e*] +``
-  the Lagrangian minima of everything not yet decided; states above a threshold ``U`` go. With ``U`` the cost
-  of a plan known to fit, the pass is exact. The incumbent comes from a first pass that keeps a few points per
-  front (:meth:`ChainDp.thin`); ``U`` is tried first at small gaps above the bound (:data:`GUESSES`): a pass
-  that finds a plan costing at most ``U`` has found the optimum (every pruned state's plans cost more than
-  ``U``), one that finds none proves the optimum costs more than ``U`` and the next guess is tried.
-* An integer bound (:mod:`~sacplan.solver.event_knapsack`): the same one-event problem solved in integers on a
-  grid (the least cost for a run of subtrees to discard ``x`` grid units at ``e*``), a lower bound too. Where
-  blocks carry a fixed cost the LP bound sits a block below the optimum (Gemma-2-2B: 134.7 against 137.8 ms)
-  and prunes nothing; the integer one is within the grid's rounding (~0.1 ms). Built where it beats the
-  Lagrangian bound on a coarse grid; it bounds the root and, per step of the chains near the root (the
-  outside of the root's kids known), ``cost +`` the run after the step at ``need[e*] - H``.
+* ``R`` above the largest offset the outside can give (its held upper bounds) plus ``tol`` is never met; ``R``
+  below the smallest (the held lower bounds) is met by every completion: raised to it. A held sum above ``hcap``
+  (the largest need minus every candidate's most negative contribution) meets every event it enters: lowered to it.
+* A Lagrangian bound at the most binding event ``e*``, multiplier ``λ >= 0`` (ms per byte, maximised by a
+  golden-section search of fixed length): ``λ·need[e*] + Σ_s min(0, min_k q_{s,k} - λ·v_{s,k}[e*], children)``
+  bounds every plan's cost. A state whose kids so far are all held at ``e*`` leads to no plan cheaper than
+  ``cost - λ·H + λ·need[e*] +`` the Lagrangian minima of all not yet decided; states above a threshold ``U`` go,
+  exact when ``U`` is the cost of a plan that fits. The incumbent comes from a first pass keeping a few points
+  per front (:meth:`ChainDp.thin`); ``U`` is first tried at small gaps above the bound (:data:`GUESSES`): a pass
+  that finds a plan costing at most ``U`` has found the optimum, one that finds none proves it costs more.
+* An integer bound (:mod:`~sacplan.solver.event_knapsack`): the same one-event problem in integers on a grid.
+  Where blocks carry a fixed cost the Lagrangian bound sits a block below the optimum (Gemma-2-2B: 134.7 against
+  137.8 ms) and prunes nothing; the integer one is within the grid's rounding (~0.1 ms). Built where it beats the
+  Lagrangian bound on a coarse grid, it bounds the root and each step of the chains near the root (``cost +`` the
+  run after the step at ``need[e*] - H``).
 
-Fronts are 3-D (2-D filters on (H, -R) by cost), so they stay small whatever the number of binding events.
-Float sums differ from the exact model by far less than ``tol`` (:data:`~sacplan.solver.tree_dp.TOL_REL`); the
-optimum found is re-checked by :meth:`~sacplan.solver.problem.SacProblem.peak` and ``cost``
-(:func:`~sacplan.solver.tree_dp.exact_check`) and trusted only then. Work is counted (pairs formed, points
-filtered, bound evaluations), never timed: the DP gives up at the same point on every run (:data:`WORK`).
+Fronts are 3-D (2-D filters on (H, -R) by cost), small whatever the number of binding events. The optimum is
+trusted only once re-checked exactly (:func:`~sacplan.solver.tree_dp.exact_check`); work is counted (pairs
+formed, points filtered, bound evaluations), never timed (:data:`WORK`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Callable
 
 import numpy as np
 
-from sacplan.solver import limits
 from sacplan.solver.descent import improve
 from sacplan.solver.event_knapsack import COARSE_UNITS, UNITS, EventKnapsack
 from sacplan.solver.problem import SacProblem
 from sacplan.solver.tree_dp import (
-    MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, binding_events, exact_check, levels, pareto,
+    MAX_FRONT, TOL_REL, TreeDpGaveUp, TreeDpResult, WorkMeter, binding_events, candidate_forest, exact_check, levels,
+    pareto, run_dp,
 )
 
-#: the chain DP's deterministic work limit (units: coordinates of the pairs formed and of the points filtered,
-#: grid slices / 16). Measured (benchmarks/RESULTS.md, "Issue 26.2"): the user trees' proofs spend 29-204 million
-#: units (Gemma-2-2B the most: 3.4 s at load 8 on the 2-core host), so the limit gives up at 1.5 times the largest
-#: proof and leaves the MILP most of a 60 s call
+#: the deterministic work limit (units: coordinates of the pairs formed and the points filtered, grid slices / 16):
+#: 1.5 times the user trees' largest proof (29-204 million units, benchmarks/RESULTS.md "Issue 26.2"; Gemma-2-2B
+#: 3.4 s at load 8 on the 2-core host), leaving the MILP most of a 60 s call
 WORK = 300_000_000
-#: relative gaps above the Lagrangian bound tried in turn as the pruning threshold (each pass exact; the last
-#: guess that finds a plan proves it)
+#: relative gaps above the bound tried in turn as the pruning threshold (each pass exact)
 GUESSES = (0.002, 0.01, 0.04, 0.16, 0.64)
 #: tried before them where the bound is the fine integer one (within ~0.1% of the optimum on the user trees)
 FINE_GUESSES = (0.0005, 0.001)
@@ -123,14 +105,16 @@ class Front3:
     recover: Recover
 
 
-class ChainDp:
+class ChainDp(WorkMeter):
     """One run of the chain DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
+
+    where, limit_name = "chain DP", "chain DP work limit"
 
     def __init__(self, problem: SacProblem, budget: float, work: int | None = WORK) -> None:
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
-        self.P, self.sizes, self.work, self.budget = problem, [], 0, float(budget)
-        self.work_max = math.inf if work is None else work
+        super().__init__(work)
+        self.P, self.budget = problem, float(budget)
         self.binding = binding_events(problem, budget)
         self.need = problem.ev_base[self.binding] - float(budget)
         C, Y = problem.linear_terms()
@@ -142,10 +126,7 @@ class ChainDp:
         #: per slot, where its (first) forward ends in the forward post-order: the chain order of siblings
         self.fw_end = np.full(n, len(problem.fw_slot), dtype=np.int64)
         np.minimum.at(self.fw_end, problem.fw_slot, np.arange(len(problem.fw_slot)))
-        self.children: list[list[int]] = [[] for _ in range(n)]
-        self.top: list[int] = []
-        for c in problem.candidates:
-            (self.top if c.parent_slot < 0 else self.children[c.parent_slot]).append(c.slot)
+        self.children, self.top = candidate_forest(problem)
         self.masks()
         scale = float(np.max(np.abs(self.need), initial=0.0) + self.A.sum() + self.o.sum() + np.max(problem.ev_base))
         self.tol = TOL_REL * scale + 1e-9
@@ -164,15 +145,6 @@ class ChainDp:
         self.outside: dict[int, np.ndarray] = {}
         self.suffix: dict[tuple[int, ...], list[np.ndarray]] = {}
         self.nothing: np.ndarray | None = None
-
-    def spend(self, units: int) -> None:
-        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
-        wall-clock safety net fires."""
-        self.work += int(units)
-        if self.work > self.work_max:
-            raise TreeDpGaveUp(f"chain DP work limit ({self.work_max:,} units)")
-        if limits.past_deadline("chain DP"):
-            raise TreeDpGaveUp("wall-clock safety net (time limit)")
 
     def masks(self) -> None:
         """Per slot, over the binding events: ``held_all`` / ``zero_all`` (every candidate of its subtree held /
@@ -200,7 +172,6 @@ class ChainDp:
         """``I_s``: the binding events (indices) where ``s``'s subtree is neither all held nor all zero."""
         return np.nonzero(~(self.held_all[s] | self.zero_all[s]))[0]
 
-    # -- fronts ---------------------------------------------------------------------------------------------
     def reduce(
         self, cost: np.ndarray, held: np.ndarray, req: np.ndarray, out: tuple[float, float], ex: np.ndarray,
     ) -> np.ndarray:
@@ -223,11 +194,10 @@ class ChainDp:
     def node(
         self, s: int, out: tuple[float, float], rest: float, outside: np.ndarray | None, track: np.ndarray,
     ) -> Front3:
-        """The front of slot ``s``'s subtree whose outside adds ``out = (omin, omax)`` bytes at its internal
-        events but those in ``track``, tracked by its caller (ascending binding-event indices: their exact contributions
-        go into ``ex`` instead), and whose outside's Lagrangian cost is at least ``rest`` (ms,
-        :meth:`lagrangian`) and integer bound at estar ``outside`` (dense, :mod:`~sacplan.solver.event_knapsack`;
-        None: unknown)."""
+        """The front of slot ``s``'s subtree whose outside adds ``out = (omin, omax)`` bytes at its internal events
+        but those in ``track`` (tracked by its caller, ascending: their exact contributions go into ``ex``), and
+        whose outside costs at least ``rest`` ms in the Lagrangian (:meth:`lagrangian`) and ``outside`` in the
+        integer bound at estar (dense, :mod:`~sacplan.solver.event_knapsack`; None: unknown)."""
         events = self.internal(s)
         ratio, q, surge = self.levels[s]
         v = self.C[events, s][None, :] * ratio[:, None] - self.Y[events, s][None, :]
@@ -273,11 +243,9 @@ class ChainDp:
         self, kids: list[int], events: np.ndarray, out: tuple[float, float], rest: float,
         outside: np.ndarray | None, track: np.ndarray,
     ) -> Front3:
-        """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's
-        ``I``), whose outside adds ``out = (omin, omax)`` bytes there and costs at least ``rest`` in the
-        Lagrangian and ``outside`` in the integer bound (see the module docstring and :meth:`node`). Events that
-        do not see the kids as a sequential chain, and those in ``track`` (the caller's), are tracked exactly: each
-        state carries the kids' contributions there (``X``), up to :data:`MAX_TRACKED` of them."""
+        """The front of ``kids`` (siblings, their parent not checkpointed) over ``events`` (their parent's ``I``), the
+        outside as in :meth:`node`. Events that do not see the kids as a sequential chain, and the caller's ``track``,
+        are tracked exactly: each state carries the kids' contributions there (``X``), up to :data:`MAX_TRACKED`."""
         kids, who, prefix, odd = self.order(kids, events) if kids else ([], np.full(len(events), -1),
                                                                          np.zeros(len(events), np.int64),
                                                                          np.zeros(len(events), bool))
@@ -418,10 +386,9 @@ class ChainDp:
         return self.suffix[key]
 
     def kid_outside(self, kids: list[int], j: int, outside: np.ndarray | None) -> np.ndarray | None:
-        """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside``: the chain's other
-        kids too; only below the root (while the outside is nothing) and for chains of at most
-        :data:`OUTSIDE_KIDS` kids (else None: each costs a sum per kid, and the long chains near the root are
-        where the bound prunes)."""
+        """The dense integer bound of what lies outside kid ``j`` of a chain with ``outside`` (the other kids too):
+        only while the outside is nothing (near the root, where the bound prunes) and for chains of at most
+        :data:`OUTSIDE_KIDS` kids (each costs a sum per kid); else None."""
         if outside is not self.nothing or self.knap is None or len(kids) > OUTSIDE_KIDS:
             return None
         if kids[j] not in self.outside:
@@ -537,28 +504,6 @@ def solve_chain_dp(
     problem: SacProblem, budget: float, work: int | None = WORK, why: list[str] | None = None
 ) -> TreeDpResult | None:
     """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the chain DP, or None when it does not
-    apply (not a sequential chain, lines mode), exceeds ``work`` units (:data:`WORK`; None: no limit) or the
-    wall-clock safety net, finds no feasible point, or its point fails the exact check; the reason is appended
-    to ``why``."""
-    t0 = time.monotonic()
-    try:
-        dp = ChainDp(problem, budget, work)
-        out = dp.solve()
-    except TreeDpGaveUp as e:
-        return _gave_up(why, str(e))
-    except MemoryError:
-        return _gave_up(why, "out of memory")
-    if out is None:
-        return _gave_up(why, "no point meets the budget (infeasible over these options)")
-    y, r, dp_cost = out
-    cost = exact_check(problem, budget, y, r, dp_cost)
-    if cost is None:
-        return _gave_up(why, "the DP's point failed the exact check (within float slack of the budget)")
-    return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
-                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
-
-
-def _gave_up(why: list[str] | None, reason: str) -> None:
-    if why is not None:
-        why.append(reason)
-    return None
+    apply (not a sequential chain, lines mode) or gives up (more than ``work`` units, :data:`WORK`; None: no
+    limit): see :func:`~sacplan.solver.tree_dp.run_dp`."""
+    return run_dp(ChainDp, problem, budget, work, why)

@@ -6,11 +6,9 @@ not raise, like PyTorch's).
 
 * ``graph`` a :class:`~sacplan.tree.ModuleTree`: sacplan's event-timeline memory model
   (:func:`sacplan.solver.solve`, ratio-only decisions, ``world_size`` = the ranks to plan for).
-* ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, entering the
-  solver through an adapter (:func:`graph_problem`) as a :class:`~sacplan.solver.problem.SacProblem` whose
-  timeline has one forward event per node, solved by the budget MILP (:mod:`sacplan.solver.budget_milp`, gap
-  1e-4 instead of the reference's 5%) and repaired to fit exactly (:func:`~sacplan.solver.repair.repair`). Per
-  node ``i`` (bytes)::
+* ``graph`` a PyTorch ``ilp_utils.Graph`` (from ``parse_module_info``): PyTorch's own memory model, as a
+  :class:`~sacplan.solver.problem.SacProblem` with one forward event per node (:func:`graph_problem`), solved by the
+  budget MILP (gap 1e-4, not the reference's 5%) and repaired to fit exactly. Per node ``i`` (bytes)::
 
       d_i  = ACM_i·r_i − (ACM_i − IA_i)·y_i,   (ACM_i − IA_i)/ACM_i·y_i ≤ r_i ≤ y_i
       m_i  = TA_i + AG_i − Σ_{j before i in fw_post_order} d_j + (P_1 + TG_i)/world_size ≤ budget
@@ -74,13 +72,12 @@ def sac_milp(
         world_size: ranks sharing parameters and gradients (FSDP).
         ac_units: allowed checkpoint units (fqns as the graph names them).
         fsdp_units: FSDP units (no checkpoint unit may contain one).
-        time_limit_s: wall-clock budget (s) of the call (default 60; None: none); <= 0 or NaN: ConfigError.
-        solver, gap_rel, time_limit_s: as :class:`~sacplan.solver.options.SolverOptions`, or all settings as
-            ``options`` (decisions are ratio-only here whatever its ``op_level``: PyTorch's meaning).
+        solver, gap_rel, time_limit_s: as :class:`~sacplan.solver.options.SolverOptions` (time limit: the call's,
+            default 60 s), or all settings as ``options`` (decisions are ratio-only whatever its ``op_level``).
 
     Returns:
-        ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios to 4 digits (rounded up, so the plan
-        never exceeds the budget: peak_bytes <= budget) and ms to 2 like PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
+        ``({fqn: discard_ratio}, recompute_ms, peak_bytes)``, ratios to 4 digits (rounded up: peak_bytes <= budget)
+        and ms to 2 like PyTorch's; ``({}, 0, -1)`` when the budget is infeasible.
     """
     opts = resolve_options(options, dict(solver=solver, gap_rel=gap_rel, time_limit_s=time_limit_s))
     budget = _budget_bytes(memory_budget)
@@ -112,11 +109,6 @@ def sac_milp(
         )
     with limits.call(opts.time_limit_s, opts.work_limit):
         return _graph_milp(graph, budget, world_size, ac_units, fsdp_units, opts)
-
-
-def _is_submodule(desc: str, anc: str) -> bool:
-    # PyTorch's ilp_utils.is_submodule (substring test, kept for identical meaning)
-    return anc + "." in desc
 
 
 def _graph_milp(
@@ -191,7 +183,7 @@ def _candidates(
     chosen = [
         i for i, nd in enumerate(nodes)
         if not nd["is_leaf"] and (ac_set is None or nd["fqn"] in ac_set)
-        and not (fsdp_units and any(_is_submodule(f, nd["fqn"]) for f in fsdp_units))
+        and not (fsdp_units and any(nd["fqn"] + "." in f for f in fsdp_units))  # ilp_utils.is_submodule's test
         and max(float(nd["sac_memory"]), float(nd["act_fw_per_module"])) > 0  # (the reference divides by it)
     ]
     ad = np.asarray(graph.ad_matrix)

@@ -1,15 +1,12 @@
 """Branching on the count columns of classes of identical candidates (how many blocks are checkpointed, how many
-reach each option level), whose LP relaxation is weak only in *how many*: once a count is fixed the LP bound is
-(nearly) tight, so the symmetric search over *which* blocks never starts. Two searches, depth first on LP bounds,
-branching alike (:func:`_branch`: the first fractional count, the nearer side first):
+reach each option level): their LP relaxation is weak only in *how many*, so once a count is fixed the LP bound is
+(nearly) tight and the symmetric search over *which* blocks never starts. Two depth-first searches on LP bounds,
+branching alike (:func:`_branch`):
 
-* :func:`prove_by_lp_branching`: proves an incumbent optimal with LP relaxations alone (any back-end), before
-  any MILP; it gives up where a node would need one;
-* :func:`branch_on_priorities`: HiGHS's branch-and-bound by priorities, which HiGHS lacks: the priority columns
-  are branched on here (the nearer side first), and each leaf (all priority columns integral in its LP) is solved
-  by HiGHS's MILP under the incumbent as cutoff. Exact: the returned bound is the minimum over pruned and solved
-  leaves. Work is counted (one node per LP, plus each leaf MILP's own nodes) against ``run.node_limit``:
-  deterministic.
+* :func:`prove_by_lp_branching`: proves an incumbent optimal with LPs alone, or gives up where a node needs a MILP;
+* :func:`branch_on_priorities`: the branching priorities HiGHS lacks: priority columns branched here, each leaf
+  (those columns integral in its LP) solved by HiGHS's MILP under the incumbent as cutoff; the bound is the minimum
+  over pruned and solved leaves. Work counted (one node per LP, plus the leaf MILPs' nodes): deterministic.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from sacplan.solver import backends, limits, progress
 from sacplan.solver.model import (
@@ -27,6 +24,10 @@ from sacplan.solver.model import (
 
 #: one node of the search: (lower bounds, upper bounds, LP bound of the parent node)
 Node = tuple[dict[int, float], dict[int, float], float]
+#: LPs :func:`prove_by_lp_branching` may solve before the MILP takes over
+PROOF_NODES = 16
+#: LPs :func:`branch_on_priorities` may branch over before the rest are solved as leaves
+COUNT_NODES = 64
 
 
 def _fractional(x: Sequence[float], cols: Sequence[int]) -> int | None:
@@ -47,22 +48,16 @@ def prove_by_lp_branching(
     branch_cols: Sequence[int],
     *,
     gap_rel: float,
-    gap_abs: float = 1e-9,
     backend: str,
     root_bound: float | None = None,
-    max_nodes: int = 16,
 ) -> SolveResult | None:
-    """Try to prove ``incumbent`` optimal within the gap with LP relaxations alone, branching only on
-    ``branch_cols`` (integer count columns): a node is closed when its LP bound reaches the incumbent. Returns
-    an OPTIMAL result with the proven bound, or None when a node's LP is integral in those columns but still
-    below the incumbent, or after ``max_nodes`` LPs (each solved by ``backend``'s LP solver): the MILP solver then
-    takes over.
-    Exact: nothing is assumed about the solution beyond the LP bounds.
-    """
+    """``incumbent`` proven optimal within the gap by LP relaxations alone (``backend``'s LP solver), branching
+    only on ``branch_cols``: a node closes when its LP bound reaches the incumbent. None when a node's LP is
+    integral in those columns yet below the incumbent, or after :data:`PROOF_NODES` LPs: the MILP takes over."""
     if incumbent is None:
         return None
     best = model.evaluate(incumbent)
-    tol = max(gap_abs, gap_rel * abs(best))
+    tol = max(1e-9, gap_rel * abs(best))
     t0 = time.perf_counter()
     closed: list[float] = []
     stack: list[Node] = [({}, {}, -INF)]
@@ -75,7 +70,7 @@ def prove_by_lp_branching(
                 closed.append(obj)
                 nodes += 1
                 continue
-        if nodes >= max_nodes:
+        if nodes >= PROOF_NODES:
             return None
         res = backends.solve_model(relaxed(with_bounds(model, lb, ub)), backends.lp_solver(backend))
         nodes += 1
@@ -97,27 +92,20 @@ def prove_by_lp_branching(
     )
 
 
-def branch_on_priorities(
-    model: MilpModel,
-    priorities: Mapping[int, int],
-    run: RunSettings,
-    highs_options: Mapping[str, Any] | None,
-    max_nodes: int = 64,
-) -> SolveResult:
-    """Solve ``model`` by branching on the ``priorities`` columns (smaller first) for at most ``max_nodes`` LPs,
-    then HiGHS's MILP at the leaves (see the module docstring)."""
-    search = _CountSearch(model, priorities, run, highs_options)
+def branch_on_priorities(model: MilpModel, priorities: Mapping[int, int], run: RunSettings) -> SolveResult:
+    """Solve ``model`` by branching on the ``priorities`` columns (smaller first) for at most :data:`COUNT_NODES`
+    LPs, then HiGHS's MILP at the leaves (see the module docstring)."""
+    search = _CountSearch(model, priorities, run)
     while search.stack:
-        search.step(max_nodes)
+        search.step()
     return search.summary()
 
 
 class _CountSearch:
     """The state of one search: the incumbent, the closed leaves' bounds, the open nodes, the work done."""
 
-    def __init__(self, model: MilpModel, priorities: Mapping[int, int], run: RunSettings,
-                 highs_options: Mapping[str, Any] | None) -> None:
-        self.model, self.run, self.hopts = model, run, dict(highs_options or {})
+    def __init__(self, model: MilpModel, priorities: Mapping[int, int], run: RunSettings) -> None:
+        self.model, self.run = model, run
         self.t0 = time.perf_counter()
         self.order = sorted(priorities, key=lambda j: (priorities[j], j))
         ws = run.warm_start
@@ -169,7 +157,7 @@ class _CountSearch:
     def prune_at(self, v: float) -> bool:
         return self.best < INF and v >= self.best - max(self.run.gap_abs, self.run.gap_rel * abs(self.best))
 
-    def step(self, max_nodes: int) -> None:
+    def step(self) -> None:
         """Pop one node: close it on its LP bound, branch on its first fractional priority column, or solve it
         as a leaf."""
         lb, ub, parent_bound = self.stack.pop()
@@ -195,7 +183,7 @@ class _CountSearch:
             self.leaf_bounds.append(lp.objective)
             return
         frac = _fractional(lp.x, self.order)
-        if frac is not None and self.nodes < max_nodes:
+        if frac is not None and self.nodes < COUNT_NODES:
             self.stack += _branch(lb, ub, frac, lp.x[frac], lp.objective)
             return
         self.leaf(sub, lp)
@@ -203,7 +191,7 @@ class _CountSearch:
     def leaf(self, sub: MilpModel, lp: SolveResult) -> None:
         """Solve a leaf (priority columns integral in its LP ``lp``) by HiGHS's MILP under the incumbent."""
         ws = self.best_x if self.best_x is not None and sub.max_violation(self.best_x) <= 1e-6 else None
-        opts = dict(self.hopts)
+        opts = {}
         if self.best < INF:
             opts["objective_bound"] = self.best + max(self.run.gap_abs, 1e-9 * abs(self.best))
         try:

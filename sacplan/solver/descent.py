@@ -20,10 +20,9 @@ MOVES_PER_LEVEL = 2
 def improve(
     problem: SacProblem, y: np.ndarray, r: np.ndarray, budget: float, max_moves: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(y, r)`` after the local descent (see the module docstring); unchanged when a candidate has no exact
-    options or the decision does not fit ``budget`` (bytes). Stops when no move saves, after ``max_moves`` moves
-    (default :data:`MOVES_PER_LEVEL` per option level of the model), or when the call's wall-clock safety net
-    fires (recorded)."""
+    """``(y, r)`` after the local descent; unchanged when a candidate has no exact options or it does not fit
+    ``budget`` (bytes). Stops when no move saves, after ``max_moves`` (default :data:`MOVES_PER_LEVEL` per option
+    level) or when the wall-clock safety net fires (recorded)."""
     nc = problem.num_candidates
     if nc == 0 or any(problem.options(s) is None for s in range(nc)):
         return y, r

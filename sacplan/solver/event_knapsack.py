@@ -1,10 +1,9 @@
 r"""An integer lower bound for the chain DP: the knapsack at the most binding event alone.
 
-The chain DP (:mod:`sacplan.solver.chain_dp`) prunes its states by a Lagrangian bound at the most binding event
-``e*``: the LP relaxation of "discard ``need[e*]`` bytes there at least cost". Where the blocks are identical and
-each checkpoint has a fixed cost (Gemma-2-2B: recomputing any part of a decoder layer costs >= 5.8 ms), that
-relaxation sits a block's fixed cost below every plan (134.7 against the optimum 137.8 ms), and nothing is
-pruned. This module solves the same one-event problem in integers instead:
+The chain DP's Lagrangian bound at the most binding event ``e*`` (:mod:`sacplan.solver.chain_dp`) is the LP
+relaxation of "discard ``need[e*]`` bytes there at least cost"; where each checkpoint has a fixed cost (Gemma-2-2B:
+>= 5.8 ms per decoder layer) it sits a block below every plan (134.7 against 137.8 ms) and prunes nothing. This
+module solves the same one-event problem in integers:
 
 * per small subtree ``s`` (at most :data:`SMALL` candidates) the exact Pareto set of (bytes ``b`` ↑, cost ms ↓)
   of its decisions: its own levels, or the sum of its children's sets (nothing checkpointed: ``(0, 0)``), each

@@ -1,15 +1,7 @@
-"""The MILP formulation: rows and columns of the budget model and the min-peak model over a :class:`SacProblem`.
-
-The memory model it constrains is :mod:`sacplan.timeline`. The pieces:
-
-* :func:`build_budget_model` writes the budget MILP (minimise recompute ms with every kept event under the
-  budget), :func:`build_min_peak_model` the MILP whose optimum is the smallest feasible budget; both return a
-  :class:`MilpIndex` naming the columns of each candidate;
-* :func:`columns_for` writes a decision ``(y, r)`` as a full column vector (a warm start),
-  :func:`decision_from` reads one back, :func:`fix_y` fixes the checkpoint flags of the LP relaxation;
-* the running sums of discards (:func:`_running_columns`; bounded above where the PyTorch Graph adapter caps them,
-  :mod:`sacplan.solver.compat`) and the candidates' rows (ratios, trade-off lines, nesting, counts) are private to
-  the models built here.
+"""The MILP formulation over a :class:`SacProblem` of the memory model :mod:`sacplan.timeline`: the budget model
+(:func:`build_budget_model`: least recompute ms, every kept event under the budget) and the min-peak model
+(:func:`build_min_peak_model`: its optimum is the smallest feasible budget), each with a :class:`MilpIndex` of its
+columns; a decision ``(y, r)`` as a column vector (:func:`columns_for`) and back (:func:`decision_from`).
 
 The model
 ---------
@@ -30,25 +22,22 @@ budget; minimise ``Σ_i calls_i · R_i · q_i`` (``R_i`` = ``tradeoff.full_recom
 * ``K_c = Σ_{i ∈ c} y_i`` (integer) for each class ``c`` of ≥ 2 identical candidates (redundant: branched on
   first, see :mod:`sacplan.solver.count_branching`).
 
-Exact mode (``exact``, the default with ``op_level``): a candidate with an op list does not use trade-off
-lines. Its options come from :func:`~sacplan.solver.ops.module_options` — the module's exact Pareto front of
-save lists (a knapsack DP over its op groups), pruned to at most ``max_options`` — and it picks one of them:
+Exact mode (``exact``, the default with ``op_level``): a candidate with an op list picks one of its options
+(:func:`~sacplan.solver.ops.module_options`: its exact Pareto front of save lists, at most ``max_options``):
 ``y_i`` selects option 0, ordered binaries ``w_{i,1} ≥ w_{i,2} ≥ …`` (``w_{i,1} ≤ y_i``) step up,
 ``r_i = r_0·y_i + Σ_k (r_k - r_{k-1})·w_{i,k}`` and the cost is ``R_i·(q_0·y_i + Σ_k (q_k - q_{k-1})·w_{i,k})``.
-The objective is then what the plan realises (the lines, an upper bound of the achievable staircase,
-were ~16% loose on a Llama block). For a class of identical sequential blocks, ``w_{j,k} ≤ w_{i,k} + 1 - y_i``
-for consecutive members ``i`` before ``j`` (see :meth:`~sacplan.solver.problem.SacProblem.sequential`: valid, it
-only removes symmetric copies), and counts ``N_{c,k} = Σ_{i∈c} w_{i,k}`` help the LP-branching proof.
-Each checkpointed call also keeps :func:`~sacplan.devices.checkpoint_state_bytes` (``o``; the RNG state
-checkpoint stashes, host-CPU targets and regions that draw random numbers only): the running sums use
-``A·r - o·y``, and an rc event adds ``o``; a region that keeps the RNG state also adds, at its rc events, the
-copy of it its recomputation holds (:func:`~sacplan.evaluate.rng_copy_bytes`, part of ``extra_e``).
+The objective is then what the plan realises (the lines were ~16% loose on a Llama block). For a class of identical
+sequential blocks, ``w_{j,k} ≤ w_{i,k} + 1 - y_i`` for consecutive members ``i`` before ``j`` (valid: it only
+removes symmetric copies, :meth:`~sacplan.solver.problem.SacProblem.sequential`), and counts ``N_{c,k} = Σ_{i∈c}
+w_{i,k}`` help the LP-branching proof. Each checkpointed call also keeps ``o`` bytes
+(:func:`~sacplan.devices.checkpoint_state_bytes`, the stashed RNG state; held inputs): the running sums use
+``A·r - o·y``, and an rc event adds ``o`` and the RNG-state copy its recomputation holds
+(:func:`~sacplan.evaluate.rng_copy_bytes`, part of ``extra_e``).
 
-Events whose worst case fits the budget are dropped; among the rest, an event dominated by another
-(same or fewer discards, same or larger need) is dropped too (:func:`_select_events`), and trade-off lines never
-maximal on [0, 1] are dropped, so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns and
-``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, with ``|F|, |G| ≤`` candidate
-calls + 1 and ``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
+Events whose worst case fits the budget are dropped, and among the rest those another dominates (same or fewer
+discards, same or larger need; :func:`_select_events`), so the model has ``3·|C| + |u| + |K| + |F| + |G|`` columns
+and ``|C| (r≤y) + Σ_i lines_i + (|C| - tops) + |K| + |F| + |G| + |rc|`` rows, ``|F|, |G| ≤`` candidate calls + 1,
+``|rc| ≤`` candidate calls: linear in the model size. Bytes are in GiB, times in ms.
 """
 
 from __future__ import annotations
@@ -219,14 +208,10 @@ Mixed = tuple[int, int, tuple[tuple[int, float], ...], float, int]
 def _select_events(
     problem: SacProblem, budget: float | None
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[Rc], float, int]:
-    """Constraints that remain after pruning and dominance.
-
-    Returns ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc descending, ``rc``
-    [(kc, ((slot, bytes added if checkpointed), ...), need, surge slot)] for the events where checkpointing
-    adds bytes (surge slot: the slot whose option-dependent :meth:`SacProblem.surge` the event adds, else -1),
-    the largest ``other`` need, and the number of events dropped. ``need`` is
-    ``base - budget`` (or ``base`` when ``budget`` is None, for the min-peak model).
-    """
+    """The events left after pruning and dominance: ``fw`` [(kc, need)] kc ascending, ``bw`` [(kc, need)] kc
+    descending, ``rc`` [(kc, ((slot, bytes added if checkpointed), ...), need, surge slot)] where checkpointing adds
+    bytes (surge slot: whose option-dependent :meth:`SacProblem.surge` the event adds, else -1), the largest ``other``
+    need, and the number dropped. ``need`` is ``base - budget`` (``base`` for the min-peak model, ``budget`` None)."""
     need = problem.ev_base - (0.0 if budget is None else float(budget))
     ph = np.where(problem.ev_mixed, -1, problem.ev_phase)  # interleaved events: _select_mixed
     other = float(np.max(need[ph == OTHER])) if np.any(ph == OTHER) else -math.inf
@@ -294,11 +279,9 @@ def _pareto_added(
 
 
 def _select_mixed(problem: SacProblem, budget: float | None) -> list[Mixed]:
-    """The interleaved events' constraints (:attr:`~sacplan.timeline.Timeline.mixed`: a pipeline stage's schedule)
-    as ``(kf, kb, terms, need, surge slot)``: ``kf``/``kb`` the candidate-entry counts of ``fw_post_order`` /
-    ``bw_pre_order`` before the event, ``terms`` and the surge slot what checkpointing adds there (as for rc events in
-    :func:`_select_events`). Events that fit the budget in the worst case are dropped, and of those with the same
-    ``(kf, kb, slots)`` only the Pareto-maximal ``(need, added bytes)``."""
+    """The interleaved events' rows (:attr:`~sacplan.timeline.Timeline.mixed`, a pipeline stage's schedule) as
+    ``(kf, kb, terms, need, surge slot)``, ``kf``/``kb`` the candidate-entry counts of both orders before the event,
+    selected as the rc events of :func:`_select_events` are (:func:`_pareto_added`)."""
     return [(k[0], k[1], terms, nd, k[3]) for k, terms, nd in _pareto_added(
         problem, budget, np.nonzero(problem.ev_mixed)[0],
         lambda i: (int(problem.kc_fw[problem.ev_kf[i]]), int(problem.kc_bw[problem.ev_kb[i]])))]
@@ -320,94 +303,76 @@ def _mixed_row(
 
 
 def _base_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex, with_cost: bool) -> None:
+    """Each candidate's ``y`` and ``r`` with ``r ≤ y`` and ``r ≥ min_ratio·y`` (a checkpointed call frees at least
+    what it keeps, :attr:`~sacplan.solver.candidates.Candidate.min_ratio`), the nesting rows ``u_i = u_parent + y_i
+    ≤ 1`` (``u`` is ``y`` at a chain's top; a chain's last candidate needs no ``u``) and, ``with_cost``, the costs
+    (:func:`_cost_columns`)."""
     for c in problem.candidates:
         idx.y.append(model.add_col(f"y{c.slot}", 0.0, 1.0, True))
         idx.r.append(model.add_col(f"r{c.slot}", 0.0, 1.0))
     for c in problem.candidates:
-        _ratio_rows(model, c.slot, idx.y[c.slot], idx.r[c.slot], c.min_ratio)
-    idx.u = _nesting_rows(model, {c.slot: idx.y[c.slot] for c in problem.candidates},
-                         {c.slot: c.parent_slot for c in problem.candidates},
-                         {c.slot: c.has_child for c in problem.candidates})
-    if with_cost:
-        # identical candidates (repeated blocks): how many of a class are checkpointed
-        for key, members in problem.classes():
-            if len(members) >= 2:
-                idx.K.append(_count_column(model, "K", f"{members[0]}", [idx.y[s] for s in members]))
-        for c in problem.candidates:
-            s = c.slot
-            w = c.calls * c.recompute_ms
-            o = problem.options(s)
-            if o is not None:
-                # exact: y picks option 0, level columns w_k (ordered) step up to option k:
-                # r = r_0·y + Σ (r_k - r_{k-1})·w_k, cost = R·(q_0·y + Σ (q_k - q_{k-1})·w_k)
-                model.col_cost[idx.y[s]] = w * o.frac[0]
-                cols = []
-                for k in range(1, len(o.ratio)):
-                    cols.append(model.add_col(f"w{s}_{k}", 0.0, 1.0, True, w * (o.frac[k] - o.frac[k - 1])))
-                    prev = idx.y[s] if k == 1 else cols[-2]
-                    model.add_row(f"wo{s}_{k}", [cols[-1], prev], [1.0, -1.0], ub=0.0)
-                idx.w[s] = cols
-                model.add_row(
-                    f"rdef{s}",
-                    [idx.r[s], idx.y[s]] + cols,
-                    [1.0, -o.ratio[0]] + [-(o.ratio[k] - o.ratio[k - 1]) for k in range(1, len(o.ratio))],
-                    lb=0.0,
-                    ub=0.0,
-                )
-                continue
-            idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
-            _line_rows(model, s, idx.q[s], idx.r[s], idx.y[s], c.slopes, c.intercepts)
-        # exact classes: how many members reach each option level (integer, branched on with K)
-        for key, members in problem.classes():
-            if len(members) < 2 or members[0] not in idx.w:
-                continue
-            for k in range(len(idx.w[members[0]])):
-                idx.N.append((_count_column(model, "N", f"{members[0]}_{k + 1}", [idx.w[s][k] for s in members]),
-                              members, k))
-            # Symmetry breaking (valid, see :meth:`SacProblem.sequential`): of two checkpointed members, the earlier one
-            # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
-            seq = problem.sequential(members)
-            if seq is not None:
-                for i, j in zip(seq, seq[1:]):
-                    for k in range(len(idx.w[i])):
-                        model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
-
-
-def _ratio_rows(model: MilpModel, label: object, y: int, r: int, min_ratio: float) -> None:
-    """``r ≤ y`` and, when ``min_ratio > 0``, ``r ≥ min_ratio·y`` (a checkpointed call frees at least what it
-    keeps: :attr:`~sacplan.solver.candidates.Candidate.min_ratio`) for the columns ``y``, ``r`` of one candidate."""
-    model.add_row(f"ry{label}", [r, y], [1.0, -1.0], ub=0.0)
-    if min_ratio > 0:
-        model.add_row(f"rmin{label}", [r, y], [1.0, -min_ratio], lb=0.0)
-
-
-def _line_rows(model: MilpModel, label: object, q: int, r: int, y: int, slopes: Sequence[float],
-              intercepts: Sequence[float]) -> None:
-    """``q ≥ slope·r + intercept·y`` for each trade-off line of one candidate (lines below 0 on [0, 1]: implied by
-    ``q ≥ 0``)."""
-    for li, (sl, ic) in enumerate(zip(slopes, intercepts)):
-        sl, ic = float(sl), float(ic)
-        if sl <= 0 and ic <= 0:
-            continue
-        model.add_row(f"line{label}_{li}", [q, r, y], [1.0, -sl, -ic], lb=0.0)
-
-
-def _nesting_rows(model: MilpModel, y: dict[int, int], parent: dict[int, int], has_child: dict[int, bool]) -> dict[int, int]:
-    """No checkpointed candidate inside another: ``u_i = u_parent + y_i ≤ 1`` along candidate chains (``u`` is
-    ``y`` at a chain's top; a chain's last candidate needs no ``u`` column). ``y``: candidate → its column, parents
-    before children; ``parent``: its nearest candidate ancestor (-1: none). Returns the ``u`` columns."""
-    u: dict[int, int] = {}
-    for s, ys in y.items():
-        p = parent[s]
+        model.add_row(f"ry{c.slot}", [idx.r[c.slot], idx.y[c.slot]], [1.0, -1.0], ub=0.0)
+        if c.min_ratio > 0:
+            model.add_row(f"rmin{c.slot}", [idx.r[c.slot], idx.y[c.slot]], [1.0, -c.min_ratio], lb=0.0)
+    for c in problem.candidates:  # pre-order: parents first
+        s, p = c.slot, c.parent_slot
         if p < 0:
             continue
-        up = u.get(p, y[p])
-        if has_child[s]:
-            u[s] = model.add_col(f"u{s}", 0.0, 1.0)
-            model.add_row(f"nest{s}", [u[s], up, ys], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
+        up = idx.u.get(p, idx.y[p])
+        if c.has_child:
+            idx.u[s] = model.add_col(f"u{s}", 0.0, 1.0)
+            model.add_row(f"nest{s}", [idx.u[s], up, idx.y[s]], [1.0, -1.0, -1.0], lb=0.0, ub=0.0)
         else:
-            model.add_row(f"nest{s}", [up, ys], [1.0, 1.0], ub=1.0)
-    return u
+            model.add_row(f"nest{s}", [up, idx.y[s]], [1.0, 1.0], ub=1.0)
+    if with_cost:
+        _cost_columns(problem, model, idx)
+
+
+def _cost_columns(problem: SacProblem, model: MilpModel, idx: MilpIndex) -> None:
+    """The class counts ``K``, each candidate's cost (exact options' level columns, or ``q`` over its trade-off
+    lines), the level counts ``N`` and symmetry rows of exact classes."""
+    for _, members in problem.classes():  # identical candidates (repeated blocks): how many are checkpointed
+        if len(members) >= 2:
+            idx.K.append(_count_column(model, "K", f"{members[0]}", [idx.y[s] for s in members]))
+    for c in problem.candidates:
+        s = c.slot
+        w = c.calls * c.recompute_ms
+        o = problem.options(s)
+        if o is not None:
+            # exact: y picks option 0, level columns w_k (ordered) step up to option k:
+            # r = r_0·y + Σ (r_k - r_{k-1})·w_k, cost = R·(q_0·y + Σ (q_k - q_{k-1})·w_k)
+            model.col_cost[idx.y[s]] = w * o.frac[0]
+            cols = []
+            for k in range(1, len(o.ratio)):
+                cols.append(model.add_col(f"w{s}_{k}", 0.0, 1.0, True, w * (o.frac[k] - o.frac[k - 1])))
+                prev = idx.y[s] if k == 1 else cols[-2]
+                model.add_row(f"wo{s}_{k}", [cols[-1], prev], [1.0, -1.0], ub=0.0)
+            idx.w[s] = cols
+            model.add_row(
+                f"rdef{s}",
+                [idx.r[s], idx.y[s]] + cols,
+                [1.0, -o.ratio[0]] + [-(o.ratio[k] - o.ratio[k - 1]) for k in range(1, len(o.ratio))],
+                lb=0.0,
+                ub=0.0,
+            )
+            continue
+        idx.q[s] = model.add_col(f"q{s}", 0.0, math.inf, False, w)
+        for li, (sl, ic) in enumerate(zip(c.slopes, c.intercepts)):  # lines below 0 on [0, 1]: implied by q >= 0
+            if not (sl <= 0 and ic <= 0):
+                model.add_row(f"line{s}_{li}", [idx.q[s], idx.r[s], idx.y[s]], [1.0, -float(sl), -float(ic)], lb=0.0)
+    for _, members in problem.classes():  # exact classes: how many members reach each option level
+        if len(members) < 2 or members[0] not in idx.w:
+            continue
+        for k in range(len(idx.w[members[0]])):
+            idx.N.append((_count_column(model, "N", f"{members[0]}_{k + 1}", [idx.w[s][k] for s in members]),
+                          members, k))
+        # Symmetry breaking (valid, see :meth:`SacProblem.sequential`): of two checkpointed members, the earlier one
+        # (forward order) reaches every level the later one does: w_{j,k} <= w_{i,k} + 1 - y_i.
+        seq = problem.sequential(members)
+        if seq is not None:
+            for i, j in zip(seq, seq[1:]):
+                for k in range(len(idx.w[i])):
+                    model.add_row(f"sym{i}_{j}_{k + 1}", [idx.w[j][k], idx.w[i][k], idx.y[i]], [1.0, -1.0, 1.0], ub=1.0)
 
 
 def _count_column(model: MilpModel, kind: str, label: str, cols: Sequence[int]) -> int:

@@ -1,9 +1,5 @@
-"""The exact Pareto front of one module's save lists (fewest bytes for the most ms saved) and its thinning.
-
-:func:`pareto_front` solves the 0/1 knapsack of :mod:`sacplan.solver.knapsack` for *every* capacity at once, by a
-dynamic programme over arrays (:func:`front_of_groups`); :func:`thin_front` keeps the points of a front that cost
-least to drop last; :func:`lower_hull_indices` finds a front's lower convex hull.
-"""
+"""The exact Pareto front of one module's save lists (:func:`pareto_front`: the knapsack of
+:mod:`sacplan.solver.knapsack` at every capacity at once), its thinning (:func:`thin_front`) and lower hull."""
 
 from __future__ import annotations
 
@@ -25,15 +21,10 @@ SCAN_ROUNDS = 16
 def pareto_front(
     ops: Sequence[OpStat], *, recompute_stop: int | None = None, cap: int = FRONT_CAP
 ) -> tuple[list[tuple[int, float, int]], list[OpGroup], set[int], bool]:
-    """Every Pareto-optimal choice of free op groups to save: fewest bytes for the most ms saved.
-
-    A dynamic programme over the free groups (the 0/1 knapsack of :func:`~sacplan.solver.ops.select_ops` for
-    *every* capacity at once): the front after group ``g`` is the Pareto-maximal union of the front before it and
-    the front with ``g`` added. Returns ``(front, free groups, positions always saved, complete)`` where ``front``
-    holds ``(bytes, ms, mask)`` by increasing bytes and ms, ``mask`` the bit set of chosen free groups. Should the
-    front exceed ``cap`` points it is thinned to the best point per byte bucket (``complete`` is then False);
-    a Llama-7B block has 44 free groups and a 438-point front (2 ms).
-    """
+    """Every Pareto-optimal choice of free op groups to save (fewest bytes for the most ms saved):
+    ``(front, free groups, positions always saved, complete)``, ``front`` of ``(bytes, ms, mask)`` by increasing
+    bytes and ms (``mask``: the bit set of chosen free groups), by :func:`front_of_groups` (a Llama-7B block: 44
+    free groups, a 438-point front, 2 ms)."""
     ops = tuple(ops)
     stop = stop_index(ops, recompute_stop)
     saved_groups, free, _ = split_groups(ops, False, stop)
@@ -42,13 +33,10 @@ def pareto_front(
 
 
 def front_of_groups(free: Sequence[OpGroup], cap: int) -> tuple[list[tuple[int, float, int]], bool]:
-    """The DP of :func:`pareto_front` over the free groups: ``(front, complete)``.
-
-    Per group, the front so far and its copy with the group saved are merged (by bytes, then most ms saved;
-    stable) and only points saving strictly more ms than every cheaper one stay (relative tolerance 1e-12);
-    above ``cap`` points, each of ``cap`` equal byte buckets keeps its point saving the most ms. Arrays with
-    back-pointers per group, masks rebuilt at the end: the same points, sums and order as a list-of-tuples DP.
-    """
+    """The DP of :func:`pareto_front`: ``(front, complete)``. Per group, the front so far and its copy with the
+    group saved are merged (by bytes, then most ms saved; stable) and only points saving strictly more ms than every
+    cheaper one stay (relative tolerance 1e-12); above ``cap`` points, each of ``cap`` equal byte buckets keeps its
+    best (``complete`` False). Back-pointers per group, masks rebuilt at the end."""
     B = np.zeros(1, dtype=np.int64)
     M = np.zeros(1, dtype=float)
     complete = True
@@ -131,17 +119,12 @@ def _strictly_better(m: np.ndarray) -> np.ndarray:
 
 
 def thin_front(pts: Sequence[tuple[float, float]], keep: int) -> list[int]:
-    """Indices of the ``keep`` points of a front (sorted by ratio ascending) that
-    :func:`~sacplan.solver.ops.module_options` keeps.
-
-    Interior points are dropped one at a time, the one whose removal costs least first -- loss
-    ``(q_next - q_k) · (r_k - r_prev)`` with its *current* neighbours, vertices of the lower convex hull last,
-    ties to the lowest index -- until ``keep`` remain; the end points always stay. A heap with lazy deletion
-    over a linked list: only the two neighbours' losses change at each drop, so O(n log n) (the same choices,
-    in the same order, as re-scanning the front at each drop, which was O(n²): a 19,365-point front took
-    ~100 s). Where the hull has at least ``keep`` vertices, every other point is dropped before any of them and
-    each vertex's loss is then taken with its hull neighbours: the hull is thinned alone (the same choices).
-    """
+    """Indices of the ``keep`` points of a front (ratio ascending) that :func:`~sacplan.solver.ops.module_options`
+    keeps: interior points dropped one at a time, least loss ``(q_next - q_k) · (r_k - r_prev)`` with the *current*
+    neighbours first, vertices of the lower convex hull last, ties to the lowest index; the end points stay. A heap
+    with lazy deletion over a linked list, O(n log n) (re-scanning at each drop took ~100 s on 19,365 points). Where
+    the hull has at least ``keep`` vertices, every other point goes first and each vertex's loss is then taken with
+    its hull neighbours: the hull is thinned alone (the same choices)."""
     n = len(pts)
     keep = max(2, int(keep))
     if n <= keep:

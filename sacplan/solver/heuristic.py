@@ -1,9 +1,5 @@
-"""The heuristic incumbent of the budget MILP (:func:`heuristic`): the LP relaxation, rounding of the checkpoint
-flags, an LP re-solve over the ratios, in exact mode rounding of the option levels and a local descent
-(:func:`~sacplan.solver.descent.improve`); the branch-and-bound starts from it. Every decision is checked by the
-exact evaluation of :class:`~sacplan.solver.problem.SacProblem` and repaired to fit in bytes
-(:func:`~sacplan.solver.repair.repair`).
-"""
+"""The heuristic incumbent of the budget MILP (:func:`heuristic`), each decision checked and repaired in exact
+bytes (:func:`~sacplan.solver.repair.repair`)."""
 
 from __future__ import annotations
 
@@ -34,11 +30,11 @@ FIRST_PLAN_NODES = 1_000
 def heuristic(
     problem: SacProblem, model: MilpModel, idx: MilpIndex, budget: float, opts: SolverOptions
 ) -> tuple[tuple[np.ndarray, np.ndarray] | None, float | None]:
-    """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios), and the
-    LP relaxation's objective (a lower bound of the MILP's). ``opts``: back-end and threads. Deterministic: a fixed
-    sequence of LPs, a min-peak MILP of at most :data:`FIRST_PLAN_NODES` nodes and a local descent of a bounded
-    number of moves; the call's wall-clock limit (the safety net) only ends the LPs after the first plan and the
-    descent, and that is recorded."""
+    """A feasible (y, r) from the LP relaxation (round y, fix it, re-solve the LP over the ratios; exact mode:
+    round the option levels, then the local descent of :func:`~sacplan.solver.descent.improve`), and the LP
+    relaxation's objective (a lower bound, ms). Deterministic: a fixed sequence of LPs, a min-peak MILP of at most
+    :data:`FIRST_PLAN_NODES` nodes, a bounded descent; the wall-clock safety net only ends the LPs after the first
+    plan and the descent, recorded."""
     if problem.num_candidates == 0:
         return None, None
     with lifted():  # LPs only: the first plan comes even from a spent time budget
@@ -106,14 +102,11 @@ def _unnest(problem: SacProblem, y: np.ndarray) -> np.ndarray:
 
 
 def _round_up(problem: SacProblem, idx: MilpIndex, x: Sequence[float], y: np.ndarray) -> np.ndarray:
-    """Exact-mode ratios from a fractional LP solution ``x`` (with ``y`` fixed) that discard at least as much
-    as the LP at every event, so the rounding stays feasible at nearly the LP's cost.
-
-    A module alone takes the next option at or above its LP level. In a class of identical sequential
-    blocks, the LP's fractional counts per level ``N_k = Σ w_{i,k}`` (over checkpointed members) are
-    rounded up and given to the earliest members in forward order: every prefix of the forward order —
-    what any fw or bw event counts — then discards ``Σ_k Δr_k · min(p, ⌈N_k⌉)``, at least the LP's, and
-    only one member per level and class pays for the rounding."""
+    """Exact-mode ratios from a fractional LP solution ``x`` (``y`` fixed) discarding at least what the LP does at
+    every event. A module alone takes the next option at or above its LP level. In a class of identical sequential
+    blocks the LP's counts per level ``N_k = Σ w_{i,k}`` (checkpointed members) are rounded up and given to the
+    earliest members: every prefix of the forward order, what any fw or bw event counts, then discards
+    ``Σ_k Δr_k · min(p, ⌈N_k⌉)``, at least the LP's, and one member per level and class pays for the rounding."""
     r = np.zeros(problem.num_candidates)
     done: set[int] = set()
     for _, members in problem.classes():

@@ -1,16 +1,5 @@
-"""The one judge of every strategy's decision, on the Timeline: exact bytes, repair, realisation.
-
-:func:`judge` takes a :class:`~sacplan.solver.strategies.Found` (tree DP, MILP or min-peak) and
-
-1. checks it against the budget in exact bytes (:meth:`~sacplan.solver.problem.SacProblem.peaks`) and repairs
-   what a solver's tolerance let a few bytes over (:func:`~sacplan.solver.repair.repair`: only raises ratios),
-   falling back to the min-peak plan when nothing can;
-2. snaps the ratios to the next exact option and drops checkpoints that discard nothing;
-3. realises the ratios as op save lists (:func:`~sacplan.solver.realise.realise`) and re-checks the realised
-   plan's peak.
-
-Its :class:`Verdict` is what the :class:`~sacplan.plan.Plan` reports.
-"""
+"""The one judge of every strategy's decision, on the Timeline (:func:`judge`): exact bytes, repair, realisation;
+its :class:`Verdict` is what the :class:`~sacplan.plan.Plan` reports."""
 
 from __future__ import annotations
 
@@ -48,7 +37,10 @@ class Verdict:
 
 
 def judge(problem: SacProblem, found: Found, budget: int, opts: SolverOptions) -> Verdict:
-    """Check ``found`` at ``budget`` bytes, repair, realise (see the module docstring).
+    """``found`` checked at ``budget`` in exact bytes and repaired where a solver's tolerance let it a few bytes
+    over (:func:`~sacplan.solver.repair.repair` only raises ratios; the min-peak plan where nothing can), its
+    ratios snapped to the next exact option, checkpoints that discard nothing dropped, then realised as op save
+    lists (:func:`~sacplan.solver.realise.realise`) and the realised peak re-checked.
 
     Raises:
         InfeasibleBudgetError: the decision violates the budget beyond repair and no plan fits.

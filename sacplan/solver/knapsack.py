@@ -1,16 +1,10 @@
 """The 0/1 knapsack of one module's free op groups at one byte budget, and the :class:`OpSelection` it yields.
 
-MILP (per module call, over the free groups of :func:`~sacplan.opgroups.split_groups`, the always-saved ones
-taken first):
-
-* ``x_g ∈ {0, 1}``: save group ``g``'s outputs (1) or recompute them (0);
-* ``Σ_g x_g · bytes_g ≤ max_saved_bytes - (bytes of the always-saved groups)``;
-* minimise ``Σ_{g: x_g = 0} ms_g``, where ``ms_g`` counts only ops before ``recompute_stop`` (ops at or after it
-  are never re-run: non-reentrant checkpointing stops early once everything backward needs exists again).
-
-When the knapsack's LP relaxation (greedy by ms per byte) ends on a whole group its solution is integral and
-optimal, and no solver is called (:class:`GreedyFill`, the one greedy fill); otherwise the MILP is solved exactly
-(:func:`knapsack`).
+Per module call, over the free groups of :func:`~sacplan.opgroups.split_groups` (the always-saved ones taken
+first): ``x_g ∈ {0, 1}`` saves group ``g``'s outputs, ``Σ_g x_g · bytes_g ≤ max_saved_bytes - always-saved bytes``,
+minimise ``Σ_{g: x_g = 0} ms_g`` (ops at or after ``recompute_stop`` are never re-run: not counted). Where the LP
+relaxation (:class:`GreedyFill`, by ms per byte) ends on a whole group it is integral and optimal; else the MILP is
+solved exactly (:func:`knapsack`).
 """
 
 from __future__ import annotations
@@ -66,15 +60,10 @@ KNAPSACK_NODES = 10_000
 
 
 def knapsack(fill: "GreedyFill", cap: int, solver: str, safety_net: str | None = None) -> tuple[OpSelection, float]:
-    """The 0/1 knapsack of :func:`~sacplan.solver.ops.select_ops` at ``cap`` saved bytes, over the split that
-    ``fill`` holds (:func:`~sacplan.opgroups.split_groups`). ``safety_net``: the part to record when the call's
-    wall-clock safety net has fired (:func:`~sacplan.solver.limits.past_deadline`): then the greedy fill is
-    returned (None: always solved exactly).
-
-    Returns ``(selection, slack_ms)``: ``slack_ms`` is 0 when the selection is optimal, else (the safety net
-    fired, or the MILP stopped, and the greedy fill was fractional) the ms per call the knapsack's LP relaxation
-    saves beyond the selection returned — no save list under ``cap`` recomputes less than
-    ``selection.recompute_ms - slack_ms``."""
+    """The 0/1 knapsack at ``cap`` saved bytes over ``fill``'s split, and its slack (ms per call): 0 when optimal,
+    else (the greedy fill fractional, and the MILP stopped or the wall-clock safety net fired, recorded at
+    ``safety_net``; None: always solved) what the LP relaxation saves beyond it: no save list under ``cap``
+    recomputes less than ``selection.recompute_ms - slack``."""
     # LP relaxation of the knapsack: take groups by ms per byte; integral => optimal. A fill that uses the room
     # exactly is integral too (the next group's fraction is 0): the trade-off's greedy vertices are such fills,
     # so module_options needs no MILP for them (Mistral-7B's decoder stack: 989 of its 991 sampled ratios).
@@ -109,9 +98,8 @@ def knapsack(fill: "GreedyFill", cap: int, solver: str, safety_net: str | None =
 
 
 class GreedyFill:
-    """The greedy fill of one module's split (``always`` saved groups, ``free`` ones): at a byte budget, free
-    groups in turn by ms per byte while they fit — the knapsack's LP relaxation, integral when it ends on a whole
-    group. The density order and per-op arrays are built once, each capacity then costs a few vector operations
+    """The greedy fill of one module's split (``always`` saved groups, ``free`` ones): free groups in turn by ms per
+    byte while they fit, the knapsack's LP relaxation. Built once, each capacity then costs a few vector operations
     (a stage of 32 decoder blocks is sampled at ~1000 ratios)."""
 
     def __init__(self, ops: tuple[OpStat, ...], always: Sequence[OpGroup], free: Sequence[OpGroup], stop: int) -> None:
@@ -138,8 +126,7 @@ class GreedyFill:
 
     def take(self, cap: int) -> tuple[np.ndarray, float]:
         """The fill at ``cap`` saved bytes: the free groups it takes (a mask over density ranks, one entry more:
-        False) and its slack (ms): 0 when it ends on a whole group (then optimal), else what the LP relaxation
-        saves beyond it.
+        False) and its slack (ms): 0 when it ends on a whole group, else what the LP relaxation saves beyond it.
 
         Raises:
             InfeasibleBudgetError: the always-saved groups alone hold more than ``cap``."""

@@ -1,18 +1,12 @@
-"""Work and time limits of the MILP solves (issue 14: no solve runs unbounded; issue 26: the same inputs give the
-same plan on every run, under any machine load).
+"""Work and time limits of a solving call: no solve runs unbounded, and the same inputs give the same plan on every
+run and rank, under any machine load.
 
-* :func:`work` opens the call's **deterministic** work budget: branch-and-bound nodes, counted by the solvers
-  themselves (HiGHS's ``mip_node_count``, CBC's enumerated nodes, one per LP of sacplan's own branching), shared
-  by every MILP of the call: :func:`nodes_left` is what a sub-solve may still explore, :func:`spend` charges it.
-  A search that stops there stops at the same point on every run and every rank.
-* :func:`check_time_limit` validates a user's ``time_limit_s`` (seconds; ``None`` = no limit, explicitly).
-* :func:`deadline` opens one wall-clock budget shared by every sub-solve inside it (heuristic, LP branching,
-  leaf MILPs, no-good-cut rounds): :func:`remaining` is what a sub-solve may still spend. Nested budgets take
-  the earlier end, so a sweep's total budget bounds each point's own. It is the **safety net** only: whatever
-  it cuts short is recorded (:func:`stopped`, :func:`stops`) and the plan says so loudly, since such a plan
-  depends on the machine's speed and load.
-
-Progress lines are :mod:`sacplan.solver.progress`; Ctrl-C is :class:`~sacplan.solver.model.SolveInterrupted`.
+* :func:`work`: the call's **deterministic** budget of branch-and-bound nodes, counted by the solvers themselves
+  (HiGHS's ``mip_node_count``, CBC's enumerated nodes, one per LP of sacplan's own branching) and shared by every
+  MILP of the call (:func:`nodes_left`, :func:`spend`).
+* :func:`deadline`: one wall-clock budget shared by every sub-solve inside (:func:`remaining`; nested budgets take
+  the earlier end). The **safety net** only: what it cuts short is recorded (:func:`stopped`) and the plan says so
+  loudly, since such a plan depends on the machine's speed and load.
 """
 
 from __future__ import annotations
@@ -34,10 +28,9 @@ DEFAULT_SWEEP_S = 60.0
 DEFAULT_CERTIFY_S = 300.0
 #: Shortest limit handed to a solver (s): a spent budget still lets it return its warm start.
 MIN_SLICE_S = 0.01
-#: Default deterministic work budget of one call (branch-and-bound nodes over all of its MILPs). Measured proofs
-#: (gap 1e-4): the tiny conformance T5 at its midway budget 690 nodes, near its minimum 127, the tiny Mixtral 67,
-#: llama-small x48 13 count nodes; a node of those costs ~0.02-0.1 s on a 2-core host (more on large trees, where
-#: the wall-clock safety net may then end the search first, and says so).
+#: Default deterministic work budget of one call (branch-and-bound nodes over all of its MILPs). Proofs (gap 1e-4):
+#: the tiny conformance T5 690 nodes at its midway budget, 127 near its minimum, the tiny Mixtral 67, llama-small
+#: x48 13 count nodes; ~0.02-0.1 s a node on a 2-core host (more on large trees: the safety net may end it first).
 DEFAULT_WORK_NODES = 2_000
 #: What :func:`stopped` records: a deterministic work limit, or the wall-clock safety net.
 WORK_LIMIT = "work limit"
@@ -84,8 +77,7 @@ def deadline(limit_s: float | None) -> Iterator[None]:
 @contextmanager
 def work(nodes: int | None) -> Iterator[list[tuple[str, str]]]:
     """Every solve inside shares one budget of ``nodes`` branch-and-bound nodes (None: none of its own; an
-    enclosing budget still counts). Yields the list that :func:`stopped` fills for this call: ``(what, where)``
-    pairs, ``what`` one of :data:`WORK_LIMIT` and :data:`WALL_CLOCK`."""
+    enclosing budget still counts). Yields the ``(what, where)`` pairs :func:`stopped` records for this call."""
     outer = _NODES.get()
     left = None if nodes is None else [int(nodes)]
     if outer is not None and (left is None or outer[0] < left[0]):
@@ -196,8 +188,8 @@ def time_limit_message(
     limit_s: float | None, objective_ms: float, bound_ms: float, gap: float,
     stops: tuple[tuple[str, str], ...] = (), work_nodes: int | None = None,
 ) -> str:
-    """The one line said when a solve stops at a limit (objective/bound in ms of recompute): the deterministic
-    work limit, or the wall-clock safety net (``stops`` from :func:`stops`; none recorded: the time limit)."""
+    """The one line said when a solve stops at a limit (objective/bound in ms of recompute; ``stops`` from
+    :func:`stops`, none recorded: the time limit)."""
     best = (f"with the best plan found: {objective_ms:.4f} ms of recompute, at most gap {gap:.4%} above the optimum "
             f"(bound {bound_ms:.4f} ms)")
     if stops and all(what == WORK_LIMIT for what, _ in stops):

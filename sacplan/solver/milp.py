@@ -1,11 +1,5 @@
-"""The public entry points of the solver: which modules to checkpoint and what fraction of each one's activations to
-discard (:func:`solve`), the smallest feasible budget, a lower bound on recompute, the no-checkpointing peak.
-
-:func:`solve` is the pipeline of :mod:`sacplan.solver`, read top to bottom in :func:`_solve`: the problem
-(:class:`~sacplan.solver.problem.SacProblem`), the strategies (:func:`~sacplan.solver.strategies.find`) under the
-call's limits (:mod:`sacplan.solver.limits`), the judge (:func:`~sacplan.solver.judge.judge`), the
-:class:`~sacplan.plan.Plan`.
-"""
+"""The public entry points of the solver: the plan (:func:`solve`, the pipeline of :mod:`sacplan.solver` read top to
+bottom in :func:`_solve`), the smallest feasible budget, a lower bound on recompute, the no-checkpointing peak."""
 
 from __future__ import annotations
 
@@ -71,13 +65,10 @@ def min_feasible_budget(
 ) -> Bytes:
     """Smallest budget (bytes) any plan meets: the optimum of the MILP minimising the predicted peak.
 
-    A :class:`~sacplan.units.Bytes`: pass it straight back as ``solve(tree, min_feasible_budget(tree))``,
-    read as bytes even for a small model whose minimum is under 1 MiB.
-
-    ``time_limit_s`` (s, default 60; None: none) bounds the call; stopped there, the peak of the best plan found
-    is returned (a budget some plan meets, not proven the smallest). ``solver``, ``threads``, ``time_limit_s``:
-    as :class:`~sacplan.solver.options.SolverOptions`, or all settings as ``options`` (this call reads those
-    three)."""
+    A :class:`~sacplan.units.Bytes`: pass it straight back as ``solve(tree, min_feasible_budget(tree))``, read as
+    bytes even under 1 MiB. Stopped by ``time_limit_s`` (s, default 60), the peak of the best plan found (a budget
+    some plan meets, not proven the smallest). ``solver``, ``threads``, ``time_limit_s``: as
+    :class:`~sacplan.solver.options.SolverOptions`, or all settings as ``options``."""
     opts = resolve_options(options, dict(solver=solver, threads=threads, time_limit_s=time_limit_s))
     with limits.call(opts.time_limit_s, opts.work_limit):
         return Bytes(solve_min_peak(_problem(tree, world_size, ac_units, fsdp_units), opts)[0])
@@ -97,15 +88,12 @@ def recompute_lower_bound(
 ) -> float:
     """A recompute time (ms) that *no* plan fitting ``budget`` can beat, under sacplan's memory model.
 
-    "Any plan" means any set of non-nested checkpoint units among the candidates, each with any op save
-    list. Each module's cost is replaced by the LP relaxation of its op-level knapsack (see
-    :func:`~sacplan.solver.ops.fractional_lines`: below every achievable option), and the resulting convex
-    MILP is solved; its proven lower bound is returned. Comparing a plan's ``recompute_ms`` with this tells
-    how far from the best possible plan it can at most be, e.g. whether a target ("a third of full
-    checkpointing") is reachable at all. 0.0 when no checkpointing is needed. Stopped by ``time_limit_s`` before
-    the search has a bound of its own, the bound of the MILP's LP relaxation is returned (weaker, still valid).
-    ``solver``, ``threads``, ``time_limit_s``: as :class:`~sacplan.solver.options.SolverOptions`, or all settings
-    as ``options`` (this call reads those three).
+    "Any plan": any non-nested checkpoint units among the candidates, each with any op save list. Each module's
+    cost is replaced by the LP relaxation of its op-level knapsack (:func:`~sacplan.solver.ops.fractional_lines`,
+    below every option) and the proven bound of that convex MILP returned: how far from the best possible plan a
+    plan can at most be, e.g. whether "a third of full checkpointing" is reachable at all. 0.0 when no
+    checkpointing is needed; stopped by ``time_limit_s`` before a bound of its own, the LP relaxation's (weaker,
+    valid). ``solver``, ``threads``, ``time_limit_s``: as in :func:`min_feasible_budget`.
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
@@ -169,13 +157,10 @@ def solve(
 ) -> Plan:
     r"""Cheapest selective activation checkpointing plan whose predicted per-rank peak fits ``budget``.
 
-    The memory model is :mod:`sacplan.timeline` (every event's predicted bytes for a choice of checkpointed
-    calls and discards); the MILP over it is :mod:`sacplan.solver.formulation` (linear in the model's size,
-    no big-M), and the search that proves its optimum is described there and in :mod:`sacplan.solver.budget_milp`.
-    Solutions are checked exactly in bytes and tiny tolerance violations repaired by raising ratios. With
-    ``op_level`` each checkpointed module's ratio is realised by :func:`~sacplan.solver.ops.select_ops`
-    (saving at most ``floor(A·(1-r))`` bytes), and the reported peak and recompute time are recomputed from
-    the realised discards.
+    The memory model is :mod:`sacplan.timeline`, the MILP over it :mod:`sacplan.solver.formulation`, the strategies
+    :mod:`sacplan.solver.strategies`. Solutions are checked exactly in bytes (tolerance violations repaired by
+    raising ratios) and realised as op save lists (``op_level``); the reported peak and recompute time are the
+    realised plan's.
 
     Args:
         tree: the collected module tree (or the ModelStats ``collect`` returns).
@@ -187,28 +172,15 @@ def solve(
         fsdp_units: FSDP units; their ancestors are never checkpoint units. None: the modules ``fully_shard`` was
             called on when the stats were collected on a mesh (:func:`sacplan.distributed.unit_modules`), else
             none; ``[]``: none.
-        solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` (PuLP's bundled CBC) or
-            ``"highs"`` (highspy).
-        time_limit_s: wall-clock budget (s) of the whole call (default 60; None: no limit); when it runs out
-            the best plan found is returned with ``status="time_limit"``, its proven ``gap`` and ``bound_ms``
-            (and a one-line :class:`TimeLimitWarning`). <= 0 or NaN: :class:`ConfigError`.
-        on_interrupt: Ctrl-C during the search: ``"raise"`` (KeyboardInterrupt) or ``"incumbent"`` (return the
-            best plan so far, ``status="interrupted"``).
-        gap_rel: relative optimality gap to prove.
-        op_level: realise ratios with op-level selection (else ratio-only decisions).
-        threads: solver threads (default 1: deterministic).
-        exact: choose among exact op-level options (default: ``op_level``); False uses the trade-off lines
-            and realises their ratios by op selection.
-        max_options: options per module in exact mode (more: finer choice, larger MILP). None keeps each
-            module's whole Pareto front of save lists: the MILP then ranges over *every* plan (any non-nested
-            units, any save lists), and ``plan.meta["options_complete"]`` is True when no front had to be
-            thinned — its proven optimum is the best plan there is under the memory model.
-        options: all of the settings above (``solver`` … ``max_options``, ``on_interrupt``) as one
-            :class:`~sacplan.solver.options.SolverOptions`, instead of the keywords (not both).
+        solver, time_limit_s, gap_rel, op_level, threads, exact, max_options, on_interrupt: the settings, as
+            :class:`~sacplan.solver.options.SolverOptions`' fields; stopped by a limit, the best plan found is
+            returned with ``status="time_limit"``, its proven ``gap`` and ``bound_ms``, and a one-line
+            :class:`TimeLimitWarning`.
+        options: all of those settings as one :class:`~sacplan.solver.options.SolverOptions` (not both).
 
     Raises:
         InfeasibleBudgetError: no plan fits; carries the computed smallest feasible budget.
-        ConfigError: unknown module names, world_size < 1, bad budget.
+        ConfigError: unknown module names, world_size < 1, a bad budget or setting.
         SolverError: unknown/missing solver, or the solver failed.
     """
     opts = resolve_options(options, dict(

@@ -1,11 +1,6 @@
-"""The solver-neutral MILP: :class:`MilpModel`, what solving it returns (:class:`SolveResult`, normalised
-status codes, :func:`relative_gap`, Ctrl-C as :class:`SolveInterrupted`) and copies of a model with changed bounds (:func:`with_bounds`,
-:func:`relaxed`).
-
-The formulations in :mod:`sacplan.solver.formulation`, :mod:`sacplan.solver.knapsack` and
-:mod:`sacplan.solver.compat` build a :class:`MilpModel` (columns with bounds/integrality/cost, rows in CSR form
-with lower/upper bounds, always *minimise*); :func:`sacplan.solver.backends.solve_model` solves it.
-"""
+"""The solver-neutral MILP (:class:`MilpModel`, always *minimise*), how a back-end runs it (:class:`RunSettings`),
+what it returns (:class:`SolveResult`, normalised statuses, Ctrl-C as :class:`SolveInterrupted`), and copies with
+changed bounds (:func:`with_bounds`, :func:`relaxed`)."""
 
 from __future__ import annotations
 
@@ -49,7 +44,6 @@ class MilpModel:
     row_value: list[float] = field(default_factory=list)
     obj_offset: float = 0.0
 
-    # -- building -------------------------------------------------------------------------------------
     def add_col(self, name: str, lb: float = 0.0, ub: float = INF, integer: bool = False, cost: float = 0.0) -> int:
         self.col_names.append(name)
         self.col_lb.append(float(lb))
@@ -89,10 +83,6 @@ class MilpModel:
     def num_nonzeros(self) -> int:
         return len(self.row_index)
 
-    @property
-    def num_integer(self) -> int:
-        return sum(self.col_int)
-
     def row(self, i: int) -> tuple[list[int], list[float]]:
         a, b = self.row_start[i], self.row_start[i + 1]
         return self.row_index[a:b], self.row_value[a:b]
@@ -115,7 +105,7 @@ class MilpModel:
     def stats(self) -> dict[str, int]:
         return {
             "columns": self.num_cols,
-            "integer_columns": self.num_integer,
+            "integer_columns": sum(self.col_int),
             "rows": self.num_rows,
             "nonzeros": self.num_nonzeros,
         }
@@ -126,10 +116,10 @@ class RunSettings:
     """How one back-end run goes (what :func:`~sacplan.solver.backends.solve_model` hands CBC or HiGHS).
 
     Attributes:
-        time_limit_s: wall-clock limit (s; None: none).
+        time_limit_s: wall-clock limit (s; None: none): the safety net.
         gap_rel, gap_abs: stop once the relative / absolute gap (objective units: ms) is this small.
         threads: solver threads (None: one, deterministic).
-        warm_start: a full column vector to start from, or None.
+        warm_start: a full column vector to start from (a feasible incumbent helps a lot), or None.
         feas_tol: primal feasibility tolerance (model units: GiB for the SAC rows).
         node_limit: branch-and-bound nodes the run may explore (None: none); deterministic, unlike the time limit.
     """
@@ -141,10 +131,6 @@ class RunSettings:
     warm_start: Sequence[float] | None = None
     feas_tol: float = 1e-9
     node_limit: int | None = None
-
-    def fields(self) -> tuple[float | None, float, float, int | None, Sequence[float] | None, float]:
-        """``(time_limit_s, gap_rel, gap_abs, threads, warm_start, feas_tol)``."""
-        return self.time_limit_s, self.gap_rel, self.gap_abs, self.threads, self.warm_start, self.feas_tol
 
 
 @dataclass
@@ -187,8 +173,8 @@ def relative_gap(objective: float, bound: float) -> float:
 def interrupted_result(
     result: SolveResult | None, model: MilpModel, warm_start: Sequence[float] | None, solver: str
 ) -> SolveResult:
-    """The best solution when Ctrl-C stopped a search (``status="interrupted"``): the solver's own, else the warm
-    start; :class:`SolveInterrupted` again when there is neither."""
+    """The best solution when Ctrl-C stopped a search (``status="interrupted"``): the solver's own, else the
+    feasible warm start; :class:`SolveInterrupted` again when neither."""
     if result is not None and result.x is not None:
         return dataclasses.replace(result, status=INTERRUPTED)
     if warm_start is None or model.max_violation(warm_start) > 1e-6:

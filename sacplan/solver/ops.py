@@ -1,13 +1,6 @@
-"""Op-level choices of one checkpointed module: which of its forward ops to *save*.
-
-* :func:`select_ops`: the save list holding at most ``max_saved_bytes`` that recomputes as little time as
-  possible: the exact 0/1 knapsack of :mod:`sacplan.solver.knapsack` over the op groups of
-  :mod:`sacplan.opgroups`, memoised on the op tuple and the budget (identical blocks cost one solve);
-* :func:`module_options`: the module's exact recompute-vs-memory options for the module-level MILP
-  (:class:`ModuleOptions`), from the Pareto front of its save lists (:mod:`sacplan.solver.front`), or from
-  knapsacks at sampled ratios for a module too large for the front's dynamic programme;
-* :func:`fractional_lines`: lines below every achievable option (the knapsack's LP relaxation), for lower bounds.
-"""
+"""Op-level choices of one checkpointed module: which of its forward ops to *save* (:func:`select_ops`: one byte
+budget), its exact options for the module-level MILP (:func:`module_options`), and lines below every option for
+lower bounds (:func:`fractional_lines`)."""
 
 from __future__ import annotations
 
@@ -40,16 +33,11 @@ def select_ops(
     solver: str = "cbc",
     recompute_stop: int | None = None,
 ) -> OpSelection:
-    """Choose the ops of one module to save under ``max_saved_bytes`` (the MILP: :mod:`sacplan.solver.knapsack`).
-
-    Args:
-        ops: the module's forward ops (:class:`~sacplan.stats.OpStat`, first call).
-        max_saved_bytes: bytes the saved ops may hold, per call (``floor(A · (1 - r))`` for discard ratio
-            ``r``).
-        force_store_random: save every random op (no recomputation of random numbers at all).
-        solver: MILP back-end ("cbc" or "highs") for the cases the greedy cannot settle.
-        recompute_stop: ops with index ≥ this are never recomputed (``ModuleStats.recompute_stop``);
-            None = all ops may be recomputed.
+    """The save list of one module's forward ``ops`` (first call) holding at most ``max_saved_bytes`` per call
+    (``floor(A · (1 - r))`` for discard ratio ``r``) that recomputes the least: the exact knapsack of
+    :mod:`sacplan.solver.knapsack` (``solver``: its MILP back-end), memoised (identical blocks cost one solve).
+    ``force_store_random``: save every random op; ``recompute_stop``: ops with index ≥ it are never recomputed
+    (``ModuleStats.recompute_stop``; None: all may be).
 
     Raises:
         InfeasibleBudgetError: the ops that must be saved exceed ``max_saved_bytes``.
@@ -62,16 +50,12 @@ def select_ops(
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    res = _select(ops, int(max_saved_bytes), force_store_random, solver, stop)
+    always, free, _ = split_groups(ops, force_store_random, stop)
+    res = knapsack(GreedyFill(ops, always, free, stop), int(max_saved_bytes), solver)[0]
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
     _CACHE[key] = res
     return res
-
-
-def _select(ops: tuple[OpStat, ...], cap: int, force_store_random: bool, solver: str, stop: int) -> OpSelection:
-    always, free, _ = split_groups(ops, force_store_random, stop)
-    return knapsack(GreedyFill(ops, always, free, stop), cap, solver)[0]
 
 
 def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
@@ -82,14 +66,11 @@ def max_saved_bytes_for(discard_ratio: float, max_discard_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class ModuleOptions:
-    """The exact recompute-vs-memory options of one checkpointed module (per call), for the exact MILP.
-
-    Option ``k`` discards ``ratio[k] · A`` bytes (``A`` = the trade-off's ``max_discard_bytes``) and
-    recomputes ``frac[k] · R`` ms (``R`` = its ``full_recompute_ms``); both strictly increase with ``k``
-    (dominated options are dropped). ``selection[k]`` is the op selection that realises option ``k`` exactly
-    (``None``: full checkpoint, nothing saved); :attr:`capacity` gives its saved bytes (``None`` likewise).
-    ``complete`` is True when the options are *every* Pareto-optimal save list of the module (nothing pruned),
-    so an MILP over them ranges over all plans.
+    """The exact recompute-vs-memory options of one checkpointed module (per call), for the exact MILP: option ``k``
+    discards ``ratio[k] · A`` bytes (``A``: the trade-off's ``max_discard_bytes``) and recomputes ``frac[k] · R`` ms
+    (``R``: its ``full_recompute_ms``), both strictly increasing with ``k``, realised exactly by ``selection[k]``
+    (``None``: the full checkpoint). ``complete``: every Pareto-optimal save list of the module (nothing pruned), so
+    an MILP over them ranges over all plans.
     """
 
     ratio: tuple[float, ...]
@@ -129,23 +110,17 @@ def module_options(
     selective_frac: float = 0.0,
     full_selective: bool = False,
 ) -> ModuleOptions:
-    """Options of one module: its exact Pareto front of save lists (:func:`~sacplan.solver.front.pareto_front`), at
-    most ``max_options``.
+    """Options of one module: its exact Pareto front of save lists (:mod:`sacplan.solver.front`), each realised as
+    an :class:`OpSelection`, with the full checkpoint ``(1, 1)``; dominated options dropped. Above ``max_options``
+    (None: keep all; ``complete`` says whether that is every Pareto-optimal save list) they are thinned by
+    :func:`~sacplan.solver.front.thin_front` (vertices of the lower convex hull, what the LP leans on, last).
 
-    Each front point is realised as an :class:`OpSelection` and recorded by what it realises (discard ratio,
-    recompute fraction); the full checkpoint ``(1, 1)`` is always an option. Dominated options (no larger
-    discard for no smaller cost) are dropped. Above ``max_options`` (None: keep all, and ``complete`` says
-    whether that is every Pareto-optimal save list) interior options are dropped one at a time, the one whose
-    removal costs least first (the next kept option's extra cost times the discard span it covers), vertices
-    of the front's lower convex hull last (they are what the LP relaxation leans on).
-
-    A module with more than :data:`DP_MAX_GROUPS` free op groups (a stage holding many blocks) is not given the
-    dynamic programme when ``ratios`` are passed: its options are the exact knapsacks of :func:`select_ops` at
-    those discard ratios (the trade-off's greedy vertices), and ``complete`` is False.
+    A module with more than :data:`DP_MAX_GROUPS` free op groups (a stage of many blocks) given ``ratios`` gets the
+    exact knapsacks of :func:`select_ops` at those discard ratios instead (``complete`` False).
 
     ``selective_frac``: the selective mode's dispatch per call (:func:`sacplan.sacmode.dispatch_ms`) as a fraction of
     ``R``, added to every save list's cost, and to the full checkpoint's when it runs selective too
-    (``full_selective``): a save list that does not beat the plain full checkpoint by more is dominated.
+    (``full_selective``): a save list must beat the plain full checkpoint by more.
     """
     ops = tuple(ops)
     A = int(max_discard_bytes)
@@ -192,10 +167,9 @@ def module_options(
 def _front_points(
     ops: tuple[OpStat, ...], saved_groups: Sequence[OpGroup], free: Sequence[OpGroup], stop: int, A: int, R: float,
 ) -> tuple[list[tuple[float, float, "_Pending"]], bool]:
-    """The Pareto front of the free groups' save lists as ``(ratio, frac, pending selection)`` points, and whether
-    it is the whole front. Every point is priced from the DP's own sums and only the points that survive
-    :func:`module_options`' pruning are realised as selections (a Llama-family root's front has ~5,000 points, 16
-    are kept)."""
+    """The free groups' Pareto front as ``(ratio, frac, pending selection)`` points, priced from the DP's own sums
+    (only the points :func:`module_options` keeps are realised: of a Llama root's ~5,000, 16), and whether it is
+    the whole front."""
     front, complete = front_of_groups(free, FRONT_CAP)
     always = {p for g in saved_groups for p in g.members}
     always_bytes = sum(max(0, int(ops[p].save_cost_bytes)) for p in always)
@@ -295,14 +269,9 @@ def _undominated(pts: list) -> list:
 def fractional_lines(
     ops: Sequence[OpStat], max_discard_bytes: int, full_recompute_ms: float, *, recompute_stop: int | None = None
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Lines ``q ≥ slope·r + intercept`` whose max lies below *every* achievable option of one module.
-
-    The LP relaxation of :func:`select_ops`'s knapsack (save groups fractionally, most ms per byte first) gives,
-    for each discard, a recompute time no integer selection beats; its vertices (the trade-off's greedy vertices,
-    :func:`~sacplan.tradeoff.greedy_vertices`, plus the full checkpoint
-    ``(1, 1)``) are convexified into their lower hull. Units as :class:`ModuleOptions` (``r = d/A``,
-    ``q = ms/R``). Used by :func:`sacplan.solver.recompute_lower_bound`.
-    """
+    """Lines ``q ≥ slope·r + intercept`` whose max lies below *every* achievable option of one module: the lower
+    hull of the knapsack's LP relaxation (its vertices: :func:`~sacplan.tradeoff.greedy_vertices`, plus the full
+    checkpoint ``(1, 1)``), a recompute time no integer selection beats. Units as :class:`ModuleOptions`."""
     A = float(max_discard_bytes)
     R = float(full_recompute_ms)
     ops = tuple(ops)

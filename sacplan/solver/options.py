@@ -1,11 +1,7 @@
-"""How a plan is searched for: the solver settings, in one validated object.
-
-:class:`SolverOptions` holds *how* the MILP is solved — back-end, wall-clock budget, gap, threads, op-level
-options, the deterministic work limit — and nothing of *what* is planned (the tree, the budget, the world size and the units are the
-problem). Every public solving call (:func:`~sacplan.solver.milp.solve`, ``min_feasible_budget``,
-``recompute_lower_bound``, ``certify``, ``sweep``, ``fit_to_budget``, ``sac_milp``) accepts
-``options=SolverOptions(...)`` or the same settings as keywords (shorthand for its fields), never both, and
-threads the one object through its layers::
+"""How a plan is searched for, in one validated object (:class:`SolverOptions`; *what* is planned, the tree, budget,
+world size and units, is the problem). Every public solving call (``solve``, ``min_feasible_budget``,
+``recompute_lower_bound``, ``certify``, ``sweep``, ``fit_to_budget``, ``sac_milp``) accepts ``options=`` or the same
+settings as keywords, never both::
 
     opts = SolverOptions(solver="cbc", time_limit_s=30)
     plan = solve(tree, "60GiB", options=opts)
@@ -35,26 +31,25 @@ class SolverOptions:
     Attributes:
         solver: ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``; the back-end
             that runs is :attr:`backend`.
-        work_limit: the deterministic budget of the whole call, in branch-and-bound nodes (the solvers' own node
-            counts plus one per LP of sacplan's count branching; None: none). Stopped there, the best plan found
-            is returned with its proven gap, and it is the same plan on every run and every rank, whatever the
-            machine's load. Default :data:`~sacplan.solver.limits.DEFAULT_WORK_NODES`.
-        time_limit_s: wall-clock budget (s) of the whole call (None: none): the safety net. Stopped there, the
-            best plan found is returned with its proven gap, and ``plan.meta["stopped_by"]`` and the warning say
-            that this plan depends on the machine's speed and load. Default 60 (``certify`` 300).
+        work_limit: the whole call's deterministic budget of branch-and-bound nodes (None: none; default
+            :data:`~sacplan.solver.limits.DEFAULT_WORK_NODES`): stopped there, the best plan found, with its proven
+            gap, is the same on every run and rank, whatever the machine's load.
+        time_limit_s: the whole call's wall-clock budget (s; None: none; default 60, ``certify`` 300), the safety
+            net: stopped there, ``plan.meta["stopped_by"]`` and the warning say the plan depends on the machine.
         gap_rel: relative optimality gap to prove, in [0, 1).
         threads: solver threads (None: 1, deterministic).
         op_level: realise ratios as op save lists (else ratio-only decisions).
-        exact: choose among each module's exact op-level options (None: as ``op_level``).
-        max_options: options per module in exact mode (None: each module's whole Pareto front).
+        exact: choose among each module's exact op-level options (None: as ``op_level``); False: the trade-off
+            lines, their ratios realised by op selection.
+        max_options: options per module in exact mode (more: finer choice, larger MILP). None: each module's whole
+            Pareto front of save lists; the MILP then ranges over every plan, and ``plan.meta["options_complete"]``
+            says when no front had to be thinned (its proven optimum is then the best plan there is).
         on_interrupt: Ctrl-C during the search: ``"raise"`` or ``"incumbent"`` (return the best plan so far).
-        tree_dp: in exact mode, try the exact tree DP (:mod:`sacplan.solver.tree_dp`) before the MILP: it proves
-            plans where at most a few events can bind in well under a second, and gives up quickly elsewhere.
-            False: the MILP alone (to compare, or to have the back-end prove the plan; no chain DP either).
-        chain_dp: in exact mode, when the tree DP does not apply (many binding events), try the exact DP over
-            sequential blocks (:mod:`sacplan.solver.chain_dp`) before the MILP: it proves the repeated-block
-            trees users bring (BERT, ViT, GPT-2, ConvNeXt...) in seconds, and gives up where the blocks do not
-            run one after another. False: as before it (to compare).
+        tree_dp: in exact mode, try the tree DP (:mod:`sacplan.solver.tree_dp`: few binding events, proofs in well
+            under a second) before the MILP. False: the MILP alone (to compare; no chain DP either).
+        chain_dp: in exact mode, where the tree DP gives up, try the DP over sequential blocks
+            (:mod:`sacplan.solver.chain_dp`: the repeated-block trees users bring, BERT, ViT, GPT-2, ConvNeXt...,
+            in seconds) before the MILP. False: skip it (to compare).
     """
 
     solver: str = "auto"
@@ -104,12 +99,12 @@ class SolverOptions:
 def resolve_options(
     options: SolverOptions | None, given: Mapping[str, Any], time_limit_default: float | None = DEFAULT_SOLVE_S
 ) -> SolverOptions:
-    """The settings of one call: ``options`` when given, else the keywords ``given`` (the call's own keyword
-    arguments, named as :class:`SolverOptions`' fields; its default time limit is ``time_limit_default``).
+    """The settings of one call: ``options`` when given, else the call's keywords ``given`` (named as
+    :class:`SolverOptions`' fields; default time limit ``time_limit_default``).
 
     Raises:
         ConfigError: ``options`` is not a :class:`SolverOptions`, or a keyword differs from its default while
-            ``options`` is given (two ways to say one setting: which one was meant is not guessed).
+            ``options`` is given (which of the two was meant is not guessed).
     """
     defaults = {f.name: f.default for f in dataclasses.fields(SolverOptions) if f.init}
     defaults["time_limit_s"] = time_limit_default

@@ -1,12 +1,7 @@
-"""The SAC problem: a tree's memory timeline, read once, and the exact evaluation of any decision.
-
-:class:`SacProblem` turns a :class:`~sacplan.tree.ModuleTree` into arrays: the candidates
-(:mod:`sacplan.solver.candidates`), the step orders as running-sum positions, every timeline event's bytes
-with per-rank state scaling, and (exact mode) each candidate's op-level options. A decision — checkpoint
-flags ``y`` and discard ratios ``r`` per candidate slot — is evaluated exactly in bytes
-(:meth:`SacProblem.peaks`) and in model recompute ms (:meth:`SacProblem.cost`). Budget-independent: the
-MILP (:mod:`sacplan.solver.formulation`) and the strategies (:mod:`sacplan.solver.strategies`) read it.
-"""
+"""The SAC problem (:class:`SacProblem`): a tree's memory timeline read once into arrays (candidates, running-sum
+positions, every event's bytes per rank, exact-mode op-level options), and the exact evaluation of a decision
+(flags ``y``, ratios ``r`` per candidate slot) in bytes (:meth:`SacProblem.peaks`) and ms (:meth:`SacProblem.cost`).
+Budget-independent."""
 
 from __future__ import annotations
 
@@ -25,15 +20,9 @@ from sacplan.tree import ModuleTree, as_tree
 
 
 class SacProblem:
-    """Budget-independent view of a tree for the MILP (memory model: :mod:`sacplan.timeline`; rows:
-    :mod:`sacplan.solver.formulation`).
-
-    Args:
-        tree: the collected module tree (or the ModelStats ``collect`` returns).
-        world_size: ranks to plan for (None: the tree's own ``stats.world_size``).
-        ac_units: allowed checkpoint units (None: every eligible module).
-        fsdp_units: FSDP units; no checkpoint unit may be an ancestor of one.
-    """
+    """The problem of ``tree`` (or the ModelStats ``collect`` returns) for ``world_size`` ranks (None: as collected),
+    ``ac_units`` and ``fsdp_units`` (:func:`~sacplan.solver.candidates.select_candidates`); ``exact``: op-level
+    options (at most ``max_options``); ``relax``: lower-bound mode (each cost the LP relaxation of its knapsack)."""
 
     def __init__(
         self,
@@ -158,11 +147,8 @@ class SacProblem:
         return len(self.candidates)
 
     def options(self, slot: int) -> ModuleOptions | None:
-        """Exact op-level options of candidate ``slot`` (None when not in exact mode or it has no ops).
-
-        The module's exact Pareto front of save lists (:func:`~sacplan.solver.ops.module_options`), pruned to
-        ``max_options`` (None: all of it), memoised per class of identical candidates.
-        """
+        """Exact op-level options of candidate ``slot`` (:func:`~sacplan.solver.ops.module_options`, at most
+        ``max_options``; None when not in exact mode or it has no ops), memoised per class of identical ones."""
         if not self.exact:
             return None
         if slot in self._options:
@@ -222,9 +208,8 @@ class SacProblem:
 
     def options_slack_ms(self) -> float:
         """Recompute ms the options may overprice because the time budget ran out while they were built
-        (:attr:`~sacplan.solver.ops.ModuleOptions.slack_frac`, over all calls of every candidate): the MILP's
-        bound minus this also bounds the plans over exact knapsacks at the same ratios. 0.0 when none was cut
-        short."""
+        (:attr:`~sacplan.solver.ops.ModuleOptions.slack_frac` over all calls): the MILP's bound minus this also
+        bounds the plans over exact knapsacks at the same ratios."""
         total = 0.0
         for c in self.candidates:
             o = self.options(c.slot)
@@ -329,15 +314,11 @@ class SacProblem:
         return float(np.max(self.peaks(ones, ones, with_extra=False)))
 
     def sequential(self, members: Sequence[int]) -> list[int] | None:
-        """Identical candidates in forward order when each runs once and their backwards run in reverse
-        order (sequential blocks); else None.
-
-        For such a class, giving the earlier of two *checkpointed* members the larger discard never raises
-        any event: every running sum ``F`` (forwards finished) and ``D - B`` (backwards not yet started)
-        covers a prefix of the forward order, so swapping two members' discards into decreasing order only
-        raises the sums between them, and the recompute extras stay (both remain checkpointed). So the
-        MILP's ordering rows (:mod:`sacplan.solver.formulation`) cut off no optimum, only symmetric copies of it.
-        """
+        """Identical candidates in forward order when each runs once and their backwards run in reverse order
+        (sequential blocks); else None. Giving the earlier of two *checkpointed* members the larger discard then
+        never raises an event: every running sum ``F`` (forwards finished) and ``D - B`` (backwards not yet
+        started) covers a prefix of the forward order, so the swap only raises the sums between them, and the
+        recompute extras stay. The MILP's ordering rows cut off no optimum, only symmetric copies."""
         if any(self.candidates[s].calls != 1 or max(self.surge(s), default=0) > 0 for s in members):
             return None  # a surge sits at the member's own rc event, not in a running sum: the swap may raise it
         fw_pos = {int(sl): p for p, sl in enumerate(self.fw_slot)}
@@ -350,13 +331,11 @@ class SacProblem:
         return seq
 
     def linear_terms(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes),
-        less the option-dependent :meth:`surge` at rc events (none where ``ev_surge`` is -1 everywhere).
-
-        ``C[e, s]`` = bytes of slot ``s``'s calls that event ``e`` counts as discarded; ``Y[e, s]`` = what
-        checkpointing ``s`` adds at ``e`` (its per-call overhead from its forward to the end of its backward, its
-        recompute transient and RNG-state copy at its rc events). Both are the timeline's own :meth:`~sacplan.timeline.Timeline.freed`
-        of one column per candidate. Memoised."""
+        """``(C, Y)`` with ``peaks(y, r) == ev_base - C @ r + Y @ y`` for 0/1 ``y`` (events × candidates, bytes), but
+        the option-dependent :meth:`surge` at rc events: ``C[e, s]`` the bytes of ``s``'s calls event ``e`` counts as
+        discarded, ``Y[e, s]`` what checkpointing ``s`` adds there (its per-call overhead from its forward to the end
+        of its backward, its recompute transient and RNG-state copy at its rc events), both by the timeline's
+        :meth:`~sacplan.timeline.Timeline.freed`. Memoised."""
         if getattr(self, "_lin", None) is None:
             tl, nc = self.timeline, self.num_candidates
 

@@ -47,7 +47,8 @@ def within(incumbent: float, bound: float) -> Iterator[None]:
 
 def report(incumbent: float, bound: float, gap: float, force: bool = False) -> None:
     """One status line (objective and bound in ms of recompute; elapsed since the outermost
-    :func:`~sacplan.solver.limits.deadline`) when progress is on and it is time. Inside :func:`within`, the whole search's incumbent and bound."""
+    :func:`~sacplan.solver.limits.deadline`) when progress is on and it is time; inside :func:`within`, the whole
+    search's figures."""
     held = _STREAM.get()
     now = time.monotonic()
     if held is None or (not force and now - held[1][0] < PROGRESS_EVERY_S):

@@ -1,10 +1,5 @@
-"""Realising the MILP's decision: each checkpointed module's discard ratio as an op save list, a module decision.
-
-:func:`realise` turns ``(y, r)`` into :class:`~sacplan.plan.ModuleDecision` objects — the exact option the
-ratio picks, or op-level selection (:func:`sacplan.solver.ops.select_ops`) at the ratio's byte budget, or a full
-or ratio-only checkpoint — and the realised ratios, whose exact peaks the plan reports
-(:func:`per_module_peak`).
-"""
+"""Realising a decision (:func:`realise`): each checkpointed module's discard ratio as a
+:class:`~sacplan.plan.ModuleDecision` with its op save list."""
 
 from __future__ import annotations
 
@@ -37,14 +32,10 @@ def per_module_peak(problem: SacProblem, m: np.ndarray) -> dict[str, int]:
 def realise(
     problem: SacProblem, y: np.ndarray, r: np.ndarray, opts: SolverOptions
 ) -> tuple[list[ModuleDecision], np.ndarray, np.ndarray]:
-    """Module decisions with op-level selection (``opts.op_level``); returns them and the realised (y, r).
-
-    A ratio of 1 saves only ops that cost no bytes (an op making the module's output, kept anyway), or is a
-    plain full checkpoint when there are none (a full checkpoint recomputes them too). Otherwise the ops saved hold at
-    most ``floor(A·(1 - r))`` bytes, so the realised discard ``A - saved`` is at least ``A·r`` and every
-    event's prediction can only fall. When the ops that must be saved (in-place inputs, random ops) do not
-    fit, the module falls back to a full checkpoint (discards everything; costs the full recompute).
-    """
+    """The module decisions of ``(y, r)`` and the realised (y, r): the exact option the ratio picks, else op-level
+    selection (``opts.op_level``) holding at most ``floor(A·(1 - r))`` bytes, so every event can only fall (at
+    ratio 1 only ops that cost no bytes, such as the one making the module's output), else a full checkpoint (the
+    ops that must be saved do not fit) or a ratio-only one."""
     decisions = []
     r_real = r.copy()
     for c in problem.candidates:

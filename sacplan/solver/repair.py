@@ -1,5 +1,4 @@
-"""Exact-byte repair of a decision (:func:`repair`): solvers work to a feasibility tolerance (about a byte here), so
-a solution may sit a few bytes over the budget; raising discard ratios removes that."""
+"""Exact-byte repair of a decision (:func:`repair`)."""
 
 from __future__ import annotations
 

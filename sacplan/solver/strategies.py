@@ -1,17 +1,11 @@
-"""The strategies that search for a plan, tried in order under the call's limits, and the one result they give.
+"""The strategies, tried in order under the call's limits by :func:`find`, and the one result they give
+(:class:`Found`, what the judge checks, repairs and realises):
 
-1. the tree DP (:func:`~sacplan.solver.tree_dp.solve_tree_dp`): exact mode with few binding events — proves the
-   optimum outright, or gives up at its work limit;
-2. the chain DP (:func:`~sacplan.solver.chain_dp.solve_chain_dp`) when the tree DP gives up: exact over sequential
-   blocks whatever the number of binding events, or gives up at its work limit (``SolverOptions(chain_dp=False)``
-   skips it);
-3. the budget MILP (:func:`~sacplan.solver.budget_milp.solve_budget_milp`): heuristic incumbent, LP proof or
-   branch-and-bound, no-good cuts;
-4. the min-peak plan (:func:`~sacplan.solver.min_peak.solve_min_peak`): when the MILP declares a budget at the
-   feasibility edge infeasible within its tolerance, or none fits (:class:`InfeasibleBudgetError`).
-
-:func:`find` is the one entry; its :class:`Found` is what the judge (:mod:`sacplan.solver.judge`) checks in bytes,
-repairs and realises, whichever strategy produced it.
+1. the tree DP (:mod:`~sacplan.solver.tree_dp`, exact mode, few binding events): proves the optimum or gives up;
+2. the chain DP (:mod:`~sacplan.solver.chain_dp`) when it gives up: exact over sequential blocks, or gives up;
+3. the budget MILP (:mod:`~sacplan.solver.budget_milp`);
+4. the min-peak plan (:mod:`~sacplan.solver.min_peak`): where the MILP declares a budget at the feasibility edge
+   infeasible within its tolerance, or no plan fits (:class:`InfeasibleBudgetError`).
 """
 
 from __future__ import annotations
@@ -37,10 +31,9 @@ from sacplan.solver.tree_dp import TreeDpResult, solve_tree_dp
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """A strategy's decision before the judge: checkpoint flags ``y`` and discard ratios ``r`` per candidate slot,
-    its ``objective`` (ms of recompute), the proven ``bound`` (ms) and relative ``gap``, ``status``
-    (``"optimal"``/``"time_limit"``/``"interrupted"``), the smallest feasible budget when a min-peak solve gave it
-    (bytes), the strategy's figures for ``plan.meta`` and its wall seconds (``timing_s``)."""
+    """A strategy's decision: flags ``y`` and ratios ``r`` per slot, its ``objective`` and proven ``bound`` (ms of
+    recompute), relative ``gap``, ``status``, its figures for ``plan.meta``, its wall seconds (``timing_s``) and the
+    smallest feasible budget when a min-peak solve gave it (bytes)."""
 
     y: np.ndarray
     r: np.ndarray
@@ -54,7 +47,7 @@ class Found:
 
 
 def find(problem: SacProblem, budget: int, opts: SolverOptions) -> Found:
-    """The best decision the strategies find for ``budget`` bytes (tree DP, else the budget MILP).
+    """The best decision the strategies find for ``budget`` bytes.
 
     Raises:
         InfeasibleBudgetError: no plan fits (with the smallest feasible budget).
@@ -105,7 +98,7 @@ def _options_slack(problem: SacProblem, found: Found) -> Found:
 
 def _from_tree_dp(
     problem: SacProblem, dp: TreeDpResult, model: MilpModel, idx: MilpIndex, meta: dict[str, Any],
-    timing: dict[str, float], by: str = "tree-dp",
+    timing: dict[str, float], by: str,
 ) -> Found:
     """The DP's proven optimum (``by``: ``"tree-dp"`` or ``"chain-dp"``) as a :class:`Found`."""
     meta.update(heuristic_ms=None, raw_status=by, lp_bound_ms=None, proved_by=by,

@@ -12,11 +12,10 @@ others ("binding", ``K`` of them) are the only rows. With ``need[e] = ev_base[e]
 
     min Σ q   s.t.   Σ_s v_s >= need   (K rows),   an antichain of the candidate forest,
 
-a multiple-choice knapsack over a tree. Its DP: the front of a candidate subtree ``T`` is the Pareto set of
-(cost ↓, contribution vector ∈ R^K ↑) over its decisions = {root at level k: (q_k, v_k)} ∪ (⊕ of its
-children's fronts), ``⊕`` the Minkowski sum (every pair summed, then pruned); the top-level candidates are
-summed the same way, and the answer is the cheapest root point meeting ``need``. Siblings with identical
-subtrees (repeated blocks) share one front, and ``m`` copies are summed by doubling (⌈log2 m⌉ + popcount sums).
+a multiple-choice knapsack over a tree. The front of a subtree ``T``, the Pareto set of (cost ↓, contribution
+∈ R^K ↑) over its decisions, is {root at level k: (q_k, v_k)} ∪ (⊕ of its children's fronts), ``⊕`` the Minkowski
+sum (every pair summed, then pruned); the answer is the cheapest point of the top-level sum meeting ``need``.
+Identical sibling subtrees share one front, ``m`` copies summed by doubling (⌈log2 m⌉ + popcount sums).
 
 Exact: no bucketing. Two safe reductions per front of a subtree ``T``, with ``neg_s = min(0, min_k v_{s,k})``
 and ``pos_s = max(0, max_k v_{s,k})`` per event, ``N = Σ_all neg``, ``P = Σ_all pos``:
@@ -32,9 +31,8 @@ and ``pos_s = max(0, max_k v_{s,k})`` per event, ``N = Σ_all neg``, ``P = Σ_al
 * drop points with ``x + (P - Σ_T pos) < need - tol`` on some event: no completion can reach ``need``.
 
 Float sums differ from :meth:`~sacplan.solver.problem.SacProblem.peaks` by far less than ``tol`` (:data:`TOL_REL`
-of the largest byte figure: ~0.1 byte at 100 GB), so
-the DP solves a relaxation (``need - tol``) exactly; its cheapest point is then checked exactly (peaks <= b,
-cost): feasible means optimal, otherwise the DP gives up (returns None) rather than trust float sums.
+of the largest byte figure: ~0.1 byte at 100 GB), so the DP solves a relaxation (``need - tol``) exactly; its
+cheapest point is then checked exactly: feasible means optimal, else the DP gives up rather than trust float sums.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ import bisect
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -53,17 +51,14 @@ from sacplan.solver.problem import SacProblem
 
 #: binding events (after dropping those others imply) above which the DP gives up (fronts grow with them)
 MAX_BINDING = 16
-#: binding events above which the DP gets at most :data:`WIDE_WORK` work units: its fronts are then small only on
-#: small models (the tiny conformance models: 5-16 events, proofs in milliseconds), so a run that would fail
-#: fails early and leaves the MILP its time
+#: binding events above which the DP gets at most :data:`WIDE_WORK` units: its fronts are then small only on small
+#: models (the tiny conformance models: 5-16 events, proofs in ms), so a run that would fail fails early
 WIDE = 4
-#: The DP's deterministic work limits (issue 26: the same plan on every run, whatever the machine's load): work
-#: units are numbers touched — coordinates of the pairs a Minkowski sum forms, point-pair coordinates a Pareto
-#: filter compares, option rows an event screen compares — counted, never timed. Giving up at the same count on
-#: every run, the DP leaves the MILP the same problem. Measured on a loaded 2-core host: Llama x32 at 90% of its
-#: peak (12 binding events) 3.0e8 units in 2.9 s; the tiny Mixtral near its minimum spent 4e8 units in well over
-#: 10 s (its fronts' sweeps cost more per unit). So :data:`WORK` is a few seconds of a quiet core, ~10-30 s there,
-#: and :data:`WIDE_WORK` (more than :data:`WIDE` binding events) about the old 1 s share of a quiet core.
+#: The deterministic work limits: units are numbers touched (coordinates of the pairs a Minkowski sum forms,
+#: point-pair coordinates a Pareto filter compares, option rows an event screen compares), counted, never timed,
+#: so the DP gives up at the same point on every run. Loaded 2-core host: Llama x32 at 90% of its peak (12 binding
+#: events) 3.0e8 units in 2.9 s, the tiny Mixtral near its minimum 4e8 in over 10 s; :data:`WIDE_WORK` is about a
+#: second of a quiet core.
 WORK = 1_000_000_000
 WIDE_WORK = 100_000_000
 #: events that can exceed the budget above which the DP does not screen them for the binding ones
@@ -74,9 +69,8 @@ MAX_FRONT = 200_000
 MAX_PAIRS = 20_000_000
 #: pairs summed at once (bounds the memory of one chunk: ~(K+1)·8 bytes each)
 CHUNK_PAIRS = 1_000_000
-#: points above which :func:`pareto` with two coordinates first drops, in blocks of :data:`PREFILTER_BLOCK`,
-#: those an earlier block's staircase dominates (:func:`prefilter_2d`: the same result, without the full
-#: three-key sort of every point: the chain DP's largest sums form millions of pairs of which ~2% stay)
+#: points above which :func:`pareto` with two coordinates is first pre-filtered (:func:`prefilter_2d`, blocks of
+#: :data:`PREFILTER_BLOCK`): the chain DP's largest sums form millions of pairs of which ~2% stay
 PREFILTER_MIN = 8192
 PREFILTER_BLOCK = 2048
 #: points per block of :func:`pareto_2d`, and those left in a block up to which they are compared pairwise
@@ -89,9 +83,8 @@ TOL_REL = 1e-12
 
 @dataclasses.dataclass(frozen=True)
 class TreeDpResult:
-    """The DP's optimum: checkpoint flags ``y``, option ratios ``r`` per slot, its cost (ms, exact
-    :meth:`~sacplan.solver.problem.SacProblem.cost`), the binding events, the size of each front built (points)
-    and the seconds it took, and the work units it spent (deterministic)."""
+    """The DP's optimum: flags ``y`` and ratios ``r`` per slot, its exact cost (ms), the binding events, the size
+    of each front built (points), the seconds it took and the work units it spent (deterministic)."""
 
     y: np.ndarray
     r: np.ndarray
@@ -159,8 +152,8 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
     """Indices of the points not dominated (cost <=, every coordinate >=; of equal points the first), by cost.
 
     Charges ``spend`` between blocks: with 3 or more coordinates the filter is quadratic in the points kept
-    (50,000 mutually non-dominated points in 8 coordinates: ~50 s), so a front that grows too large ends in
-    :class:`TreeDpGaveUp` at the work limit, or once it keeps more than :data:`MAX_FRONT` points."""
+    (50,000 in 8 coordinates: ~50 s), so a front too large ends in :class:`TreeDpGaveUp` at the work limit, or past
+    :data:`MAX_FRONT` points."""
     n, K = vec.shape
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -172,8 +165,7 @@ def pareto(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray
 
 
 def pareto_sorted(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.ndarray:
-    """:func:`pareto` by its full sort (cost, then each coordinate descending, then index), without the
-    pre-filter."""
+    """:func:`pareto` by its full sort (cost, then each coordinate descending, then index)."""
     n, K = vec.shape
     order = np.lexsort(tuple(-vec[:, j] for j in range(K - 1, -1, -1)) + (cost,))
     v = vec[order]
@@ -203,30 +195,41 @@ def prefilter_2d(cost: np.ndarray, vec: np.ndarray, spend: Spend = None) -> np.n
     """A superset of :func:`pareto`'s points for two coordinates, cheaper than its full sort (indices ascending;
     None: not worth it).
 
-    Points in cost order (stable: of equal costs the lower index first), block by block against the staircase
-    of every earlier block: a point goes when an earlier one has both coordinates >=, which weakly dominates it
-    (cost <=; an equal point earlier has the lower index), so :func:`pareto` drops it too; and :func:`pareto` of
-    what is left is :func:`pareto` of all (a dominated point's undominated dominator is left; the left points
-    keep their relative order, so the full sort breaks ties among them as before). The cheapest tenth (at
-    least :data:`PREFILTER_MIN` points) is sorted and filtered first: None where it loses less than half (the
-    full sort is then as cheap)."""
+    Points in cost order (stable), filtered by :func:`stair_filter`: a point an earlier one weakly dominates goes
+    (:func:`pareto` drops it too), and :func:`pareto` of what is left is :func:`pareto` of all (the left points
+    keep their relative order, so the full sort breaks ties among them as before). The cheapest tenth (at least
+    :data:`PREFILTER_MIN` points) goes first: None where it loses less than half (the full sort is then as cheap)."""
     n = len(cost)
     cut = np.partition(cost, max(PREFILTER_MIN, n // 10) - 1)[max(PREFILTER_MIN, n // 10) - 1]
     stair = np.empty((0, 2))
     left: list[np.ndarray] = []
     for part, trial in ((np.nonzero(cost <= cut)[0], True), (np.nonzero(cost > cut)[0], False)):
         part = part[np.argsort(cost[part], kind="stable")]  # the two parts in turn: the whole stable cost order
-        v = vec[part]
-        for lo in range(0, len(v), PREFILTER_BLOCK):
-            cv = v[lo:lo + PREFILTER_BLOCK]
-            if spend is not None:
-                spend(2 * (len(cv) + len(stair)))
-            ok = ~dominated_by(stair, cv)
-            left.append(part[lo:lo + PREFILTER_BLOCK][ok])
-            stair = staircase(np.concatenate([stair, cv[ok]]))
-        if trial and 2 * sum(len(x) for x in left) > len(part):
+        ok, stair = stair_filter(vec[part], PREFILTER_BLOCK, stair, spend)
+        left.append(part[ok])
+        if trial and 2 * len(ok) > len(part):
             return None
     return np.sort(np.concatenate(left))
+
+
+def stair_filter(
+    v: np.ndarray, block: int, stair: np.ndarray, spend: Spend = None,
+    within: Callable[[np.ndarray], np.ndarray] | None = None, extra: Callable[[int], int] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the points ``v`` (in order) that neither ``stair`` nor an earlier block dominates (both
+    coordinates >=), block by block against the :func:`staircase` of what came before; ``within(points)``: which of a
+    block's points left to keep (None: all; a point the staircase dominates dominates nothing it does not). Charges
+    ``spend`` per block the staircase test plus ``extra(points left)``. Returns the positions and the staircase."""
+    keep = [np.zeros(0, dtype=np.int64)]
+    for lo in range(0, len(v), block):
+        cv = v[lo:lo + block]
+        left = np.nonzero(~dominated_by(stair, cv))[0]
+        if spend is not None:
+            spend(2 * (len(cv) + len(stair)) + (0 if extra is None else extra(len(left))))
+        ok = left if within is None else left[within(cv[left])]
+        keep.append(ok + lo)
+        stair = staircase(np.concatenate([stair, cv[ok]]))
+    return np.concatenate(keep), stair
 
 
 def staircase(v: np.ndarray) -> np.ndarray:
@@ -248,28 +251,22 @@ def dominated_by(stair: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 def pareto_2d(v: np.ndarray, spend: Spend = None) -> np.ndarray:
     """:func:`pareto` for two coordinates of points already in order: a point is dominated iff an earlier one
-    has both coordinates >= (positions, ascending). Block by block: against the staircase of every earlier block
-    (most points go), then the few left against the earlier ones left in their block (one that the staircase
-    dominates dominates nothing the staircase does not): pairwise where few are left, else by a sweep with a
-    staircase in lists."""
-    stair = np.empty((0, 2))
-    keep: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
-    seen = 0  # points left so far: charged 8 units each, by started runs of 4,096 (as the one sweep was)
-    for lo in range(0, len(v), PARETO_BLOCK):
-        cv = v[lo:lo + PARETO_BLOCK]
-        left = np.nonzero(~dominated_by(stair, cv))[0]
-        if spend is not None:  # the staircase test, and a few dozen operations per point left
-            spend(2 * (len(cv) + len(stair)) + 4096 * 8 * (-(-(seen + len(left)) // 4096) - -(-seen // 4096)))
-        seen += len(left)
-        c = cv[left]
-        if len(left) <= PAIRWISE_MAX:
-            earlier = (c[None, :, 0] >= c[:, None, 0]) & (c[None, :, 1] >= c[:, None, 1])  # [i, j]: j has both >=
-            ok = np.nonzero(~np.tril(earlier, -1).any(1))[0]
-        else:
-            ok = sweep_2d(c)
-        keep.append(left[ok] + lo)
-        stair = staircase(np.concatenate([stair, c[ok]]))
-    return np.concatenate(keep)
+    has both coordinates >= (positions, ascending). :func:`stair_filter` by blocks of :data:`PARETO_BLOCK`, the
+    few left in a block against the earlier ones left: pairwise up to :data:`PAIRWISE_MAX`, else by
+    :func:`sweep_2d`. Charged besides 8 units per point left, by started runs of 4,096."""
+    seen = [0]
+
+    def extra(n: int) -> int:
+        before, seen[0] = seen[0], seen[0] + n
+        return 4096 * 8 * (-(-seen[0] // 4096) - -(-before // 4096))
+
+    def within(c: np.ndarray) -> np.ndarray:
+        if len(c) > PAIRWISE_MAX:
+            return sweep_2d(c)
+        earlier = (c[None, :, 0] >= c[:, None, 0]) & (c[None, :, 1] >= c[:, None, 1])  # [i, j]: j has both >=
+        return np.nonzero(~np.tril(earlier, -1).any(1))[0]
+
+    return stair_filter(v, PARETO_BLOCK, np.empty((0, 2)), spend, within, extra)[0]
 
 
 def sweep_2d(v: np.ndarray) -> np.ndarray:
@@ -293,12 +290,40 @@ def sweep_2d(v: np.ndarray) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
-class TreeDp:
+def candidate_forest(problem: SacProblem) -> tuple[list[list[int]], list[int]]:
+    """Each candidate's children (slots, pre-order) and the top-level candidates."""
+    children: list[list[int]] = [[] for _ in problem.candidates]
+    top: list[int] = []
+    for c in problem.candidates:
+        (top if c.parent_slot < 0 else children[c.parent_slot]).append(c.slot)
+    return children, top
+
+
+class WorkMeter:
+    """A DP run's work count: ``work`` units spent of ``work_max`` (None: no limit), the size of every front built
+    (points), named ``where`` in what it records."""
+
+    where, limit_name = "tree DP", "work limit"
+
+    def __init__(self, work: int | None) -> None:
+        self.work, self.work_max, self.sizes = 0, (math.inf if work is None else work), []
+
+    def spend(self, units: int) -> None:
+        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
+        wall-clock safety net fires (recorded by :func:`~sacplan.solver.limits.past_deadline`)."""
+        self.work += int(units)
+        if self.work > self.work_max:
+            raise TreeDpGaveUp(f"{self.limit_name} ({self.work_max:,} units)")
+        if limits.past_deadline(self.where):
+            raise TreeDpGaveUp("wall-clock safety net (time limit)")
+
+
+class TreeDp(WorkMeter):
     """One run of the DP over ``problem`` at ``budget`` bytes (see the module docstring)."""
 
     def __init__(self, problem: SacProblem, budget: float, work: int | None = WORK) -> None:
-        self.P, self.sizes = problem, []
-        self.work, self.work_max = 0, (math.inf if work is None else work)
+        super().__init__(work)
+        self.P = problem
         if not problem.exact:
             raise TreeDpGaveUp("not exact mode")
         C, Y = problem.linear_terms()
@@ -319,23 +344,11 @@ class TreeDp:
         self.neg, self.pos = self.bounds()
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
         self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
-        self.children: list[list[int]] = [[] for _ in problem.candidates]
-        self.top: list[int] = []
-        for c in problem.candidates:
-            (self.top if c.parent_slot < 0 else self.children[c.parent_slot]).append(c.slot)
+        self.children, self.top = candidate_forest(problem)
         self.sig: dict[int, int] = {}
         self.sig_ids: dict[tuple, int] = {}
         self.memo: dict[int, Front] = {}
         self.zero = Front(np.zeros(1), np.zeros((1, K)), 0, np.zeros(K), np.zeros(K), lambda i, slots: [])
-
-    def spend(self, units: int) -> None:
-        """Charge ``units`` of work: :class:`TreeDpGaveUp` past the work limit (deterministic), or when the call's
-        wall-clock safety net fires (recorded by :func:`~sacplan.solver.limits.past_deadline`)."""
-        self.work += int(units)
-        if self.work > self.work_max:
-            raise TreeDpGaveUp(f"work limit ({self.work_max:,} units)")
-        if limits.past_deadline("tree DP"):
-            raise TreeDpGaveUp("wall-clock safety net (time limit)")
 
     def bounds(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per slot, ``neg_s = min(0, min_k v_{s,k})`` and ``pos_s = max(0, max_k v_{s,k})`` per binding event
@@ -346,15 +359,14 @@ class TreeDp:
         return neg, pos
 
     def reduce_events(self) -> None:
-        """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <=
-        Σ_s neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and
-        every option contributes at ``e`` at least what it does at ``f`` (``Σ v[e] >= Σ v[f] >= need[f] >=
-        need[e]``). Events in order of need, so only kept ones are compared; more than :data:`MAX_BINDING` kept:
-        give up."""
+        """Keep the binding events no other implies: ``e`` goes when every decision meets it (``need[e] <= Σ_s
+        neg_s[e]``), or when a kept ``f`` has ``need[f] >= need[e]`` and every option contributes at ``e`` at least
+        what it does at ``f`` (``Σ v[e] >= Σ v[f] >= need[f] >= need[e]``). Events in order of need, so only kept
+        ones are compared; more than :data:`MAX_BINDING` kept: give up."""
         V = np.concatenate([v for _, _, v in self.opts])
         low = np.sum(self.bounds()[0], axis=0)
         kept: list[int] = []
-        for t, e in enumerate(np.argsort(-self.need, kind="stable").tolist()):
+        for e in np.argsort(-self.need, kind="stable").tolist():
             self.spend(len(V) * max(1, len(kept)))
             if self.need[e] <= low[e]:  # met by every decision (and the caps below need need > Σ neg)
                 continue
@@ -367,7 +379,6 @@ class TreeDp:
         self.binding, self.need = self.binding[kept], self.need[kept]
         self.opts = [(ratio, q, v[:, kept]) for ratio, q, v in self.opts]
 
-    # -- fronts -----------------------------------------------------------------------------------------
     def signature(self, s: int) -> int:
         """Equal ids: subtrees with equal options (bytes at the binding events, costs) and equal children."""
         if s not in self.sig:
@@ -499,29 +510,35 @@ def solve_tree_dp(
     problem: SacProblem, budget: float, work: int | None = WORK, why: list[str] | None = None
 ) -> TreeDpResult | None:
     """The exact optimum of ``problem`` (exact mode) at ``budget`` bytes by the tree DP, or None when it does not
-    apply, would be too large or slow (more than ``work`` units, :data:`WORK`; None: no limit but :data:`WIDE_WORK`; or the call's wall-clock safety net
-    fired), finds no feasible point, or its point fails the exact check; the reason is appended to ``why``."""
+    apply or gives up (more than ``work`` units, :data:`WORK`; None: no limit but :data:`WIDE_WORK`): see
+    :func:`run_dp`."""
+    return run_dp(TreeDp, problem, budget, work, why)
+
+
+def run_dp(
+    dp_class: Callable[..., Any], problem: SacProblem, budget: float,
+    work: int | None, why: list[str] | None,
+) -> TreeDpResult | None:
+    """``dp_class(problem, budget, work).solve()`` (the tree or the chain DP) with its point checked exactly
+    (:func:`exact_check`): the proven optimum, or None when the DP gave up (work limit, wall-clock safety net, out
+    of memory), found no feasible point, or its point failed the check; the reason is appended to ``why``."""
     t0 = time.monotonic()
     try:
-        dp = TreeDp(problem, budget, work)
+        dp = dp_class(problem, budget, work)
         out = dp.solve()
     except TreeDpGaveUp as e:
-        if why is not None:
-            why.append(str(e))
-        return None
+        reason = str(e)
     except MemoryError:
-        if why is not None:
-            why.append("out of memory")
-        return None
-    if out is None:
-        if why is not None:
-            why.append("no point meets the budget (infeasible over these options)")
-        return None
-    y, r, dp_cost = out
-    cost = exact_check(problem, budget, y, r, dp_cost)
-    if cost is None:
-        if why is not None:
-            why.append("the DP's point failed the exact check (within float slack of the budget)")
-        return None
-    return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
-                        front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
+        reason = "out of memory"
+    else:
+        reason = "no point meets the budget (infeasible over these options)"
+        if out is not None:
+            y, r, dp_cost = out
+            cost = exact_check(problem, budget, y, r, dp_cost)
+            if cost is not None:
+                return TreeDpResult(y=y, r=r, cost_ms=cost, binding=tuple(int(e) for e in dp.binding),
+                                    front_sizes=tuple(dp.sizes), seconds=time.monotonic() - t0, work=dp.work)
+            reason = "the DP's point failed the exact check (within float slack of the budget)"
+    if why is not None:
+        why.append(reason)
+    return None

@@ -50,6 +50,19 @@ def test_large_subtrees_enter_as_their_arrays(monkeypatch):
     assert d.tolist() == [0, 1, 1, 2, 2.5, 3.5]
 
 
+def test_a_set_of_many_points_is_rounded_up_first(monkeypatch):
+    """A set of more than MAX_STEPS points added to a non-empty array has its bytes rounded up to ``need /
+    MAX_STEPS`` first. MAX_STEPS 1: slot 1's set (0, 0) (3, 1) (6, 2) becomes (0, 0) (10, 1), so with slot 2's array
+    (1.5 ms from 1 to 4 units) every grid point past 0 costs 1 ms: below the exact array everywhere."""
+    exact = _hand()
+    d_exact = exact.add(exact.add(exact.nothing(), exact.sparse(2)), exact.sparse(1))
+    monkeypatch.setattr(ek, "MAX_STEPS", 1)
+    kn = _hand()
+    d = kn.add(kn.add(kn.nothing(), kn.sparse(2)), kn.sparse(1))
+    assert d.tolist() == [0] + [1] * 10
+    assert d_exact.tolist() == [0, 1, 1, 1, 1.5, 2, 2, 2.5, 3.5, 3.5, 3.5] and (d <= d_exact).all()
+
+
 def _brute(children, levels, need):
     """Least cost of a non-nested choice of levels contributing >= need (contributions below 0 count as 0)."""
     n = len(children)

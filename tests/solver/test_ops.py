@@ -265,6 +265,19 @@ def test_array_front_near_ties_in_chains(step):
     assert singles == kept and len(kept) == {6e-13: 4, 4e-13: 3}[step]  # 0, 2, 4, 6 steps / 0, 3, 6 steps
 
 
+def test_array_front_near_ties_by_the_plain_scan(monkeypatch):
+    """With no vectorised rounds left (SCAN_ROUNDS 0) the near-ties of the chain above fall to the plain scan: the
+    same front as the list DP."""
+    from sacplan.solver import front as front_mod
+
+    monkeypatch.setattr(front_mod, "SCAN_ROUNDS", 0)
+    ops = [OpStat(index=i, name="aten.mm.default", occurrence=i, out_bytes=10 + i, runtime_ms=1.0 + i * 6e-13, flops=0,
+                  save_cost_bytes=10 + i) for i in range(8)]
+    front, free, _, complete = front_mod.pareto_front(ops, cap=20000)
+    assert (front, complete) == _list_front(free, 20000)
+    assert [m for b, m, _ in front if 10 <= b < 20] == [1.0 + k * 6e-13 for k in (0, 2, 4, 6)]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     groups=st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([0.25, 0.5, 1.0, 1e-13, 3e-11, 0.1, 0.3, 0.7])), max_size=12),
