@@ -39,10 +39,13 @@ from sacplan.tree import ModuleTree
 from sacplan.units import Bytes
 from sacplan.validation import validate
 
-__all__ = ["BudgetCheck", "InvalidModel", "check_spec", "failures", "step_arguments"]
+__all__ = ["BudgetCheck", "InvalidModel", "check_compiled", "check_spec", "failures", "step_arguments"]
 
 #: Largest |measured − predicted| / measured peak accepted.
 PEAK_TOLERANCE = 0.01
+#: Gradients of compiled steps with and without a plan (Inductor may fuse the two graphs differently), per
+#: precision: ``(rtol, atol)``.
+COMPILED_GRAD_TOLERANCE = {"fp32": (1e-4, 1e-5), "bf16": (2e-2, 1e-3), "autocast": (2e-2, 1e-3)}
 
 
 class InvalidModel(Exception):
@@ -183,6 +186,45 @@ def check_spec(spec: ModelSpec, fractions: tuple[float, ...] = (0.0, 0.5)) -> li
         fails += _own_steps(spec, plan)
         checks.append(BudgetCheck(f, budget, tuple(_label(d) for d in plan.decisions), tuple(fails), report))
     return checks
+
+
+def check_compiled(spec: ModelSpec, fraction: float) -> BudgetCheck:
+    """The plan ``solve`` makes at ``fraction`` (see :func:`check_spec`) from the eager step's stats, validated with
+    ``compile=True``: the spec's repeated blocks (a ``list`` container, :func:`~sacplan.testing.fuzzmodels.
+    draw_repeated_spec`) compiled one by one with Inductor, without and with the plan. Checked: the blocks were
+    compiled; the measured peaks within :data:`PEAK_TOLERANCE` of the prediction for the compiled step where its
+    regions were traced on fakes (exact there), and not above the prediction plus that tolerance where they could
+    not be (then an upper bound, with a warning); gradients within :data:`COMPILED_GRAD_TOLERANCE` where compared.
+
+    Raises:
+        InvalidModel: the unplanned model's own step fails.
+    """
+    import warnings
+
+    try:
+        _step(_built(spec)[0], spec, 0, None)
+    except RuntimeError as e:
+        raise InvalidModel(str(e)) from e
+    stats = collect(lambda: build_model(spec), make_inputs(spec), device=CPU, **step_arguments(spec))
+    tree = ModuleTree(stats)
+    lo, hi = int(min_feasible_budget(tree)), int(stats.peak_bytes)
+    budget = lo + round(fraction * (hi - lo))
+    plan = solve(tree, Bytes(budget))
+    rtol, atol = COMPILED_GRAD_TOLERANCE[spec.precision]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rep = validate(lambda: build_model(spec), lambda: make_inputs(spec), plan, device="cpu", seed=spec.seed,
+                       timed_steps=0, compile=True, grad_rtol=rtol, grad_atol=atol, **step_arguments(spec))
+    bound = any("could not be traced" in str(w.message) for w in caught)
+    out = []
+    if "repeated blocks compiled" not in rep.compiled:
+        out.append(f"not compiled block by block: {rep.compiled!r}")
+    for what, err in (("unplanned", rep.baseline_peak_error), ("planned", rep.peak_error)):
+        if err > PEAK_TOLERANCE or (not bound and err < -PEAK_TOLERANCE):
+            out.append(f"{what} compiled peak off by {err:+.2%} ({'bound' if bound else 'traced on fakes'})")
+    if rep.grads_compared and not rep.grads_match:
+        out.append(f"compiled gradients differ beyond rtol {rtol}, atol {atol} (max |diff| {rep.max_grad_abs_diff:.3g})")
+    return BudgetCheck(fraction, budget, tuple(_label(d) for d in plan.decisions), tuple(out), rep.summary())
 
 
 def failures(spec: ModelSpec, checks: list[BudgetCheck]) -> str:

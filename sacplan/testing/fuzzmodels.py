@@ -197,14 +197,17 @@ class Grammar:
     optimizers: tuple[str, ...] = OPTIMIZERS
 
 
-#: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: the whole grammar (every
-#: construct the fuzzer knows; when a finding stays open, leave its construct out here and pin it with a
+#: The grammar the fuzz tests (tests/fuzz/test_fuzz.py) and benchmarks/fuzz.py draw: the whole grammar but what is
+#: open below (every construct the fuzzer knows; when a finding stays open, leave its construct out here and pin it with a
 #: strict-xfail test in tests/fuzz/test_regressions.py, to put back when that test XPASSes).
 #: Model sizes (draw_spec) put peaks near 1 MiB and up. The 5,056-byte RNG-state copy a recomputation makes is in
 #: the memory model (none for regions without random ops; test_recomputation_*_rng_state pin it at small sizes, where
 #: it shows); where a region with dropout has its rc stretch peak before its recomputation, the copy is over-counted
 #: (at most 5,056 B, the safe side).
-CHECKED = Grammar()
+#: Open: CPU bf16 autocast is left out (``benchmarks/fuzz.py --full`` draws it): a checkpointed module's saved weight cast stays in autocast's cache until the
+#: forward ends, where the memory model frees it at the module's end (tests/fuzz/test_regressions.py
+#: test_autocast_saved_weight_cast_held_until_the_forward_ends, strict xfail).
+CHECKED = Grammar(precisions=("fp32", "bf16"))
 
 
 def draw_layer(pick: Picker, dim: int, depth: int, grammar: Grammar = Grammar()) -> Layer:
@@ -240,19 +243,33 @@ def draw_spec(pick: Picker, grammar: Grammar = Grammar()) -> ModelSpec:
                      optimizer=pick.choice(grammar.optimizers))
 
 
-def spec_strategy(grammar: Grammar = Grammar()) -> Any:
-    """A hypothesis strategy of :class:`ModelSpec` (hypothesis is imported here: only tests need it)."""
+def draw_repeated_spec(pick: Picker, grammar: Grammar = Grammar()) -> ModelSpec:
+    """A random :class:`ModelSpec` whose body is one ``list`` container of 2-3 identical leaf layers of ``grammar``
+    (the repeated blocks ``validate(..., compile=True)`` compiles one by one), without dropout (compiled graphs
+    with and without a plan draw different random numbers: their gradients could not be compared)."""
+    dim = pick.choice((64, 128))
+    block = dataclasses.replace(draw_layer(pick, dim, 0, grammar), dropout=0.0)
+    n = pick.integer(2, 3)
+    batch, seq, vocab = pick.integer(2, 4), pick.choice((32, 64)), pick.choice((0, 128))
+    return ModelSpec(layers=(Layer("list", children=(block,) * n),), dim=dim, batch=batch, seq=seq, vocab=vocab,
+                     seed=pick.integer(0, 2**16), loss=pick.choice(grammar.losses),
+                     precision=pick.choice(grammar.precisions), optimizer=pick.choice(grammar.optimizers))
+
+
+def spec_strategy(grammar: Grammar = Grammar(), draw: Callable[..., ModelSpec] | None = None) -> Any:
+    """A hypothesis strategy of :class:`ModelSpec` drawn by ``draw`` (default :func:`draw_spec`; hypothesis is
+    imported here: only tests need it)."""
     from hypothesis import strategies as st
 
     @st.composite
-    def specs(draw: Callable[[Any], Any]) -> ModelSpec:
+    def specs(data: Callable[[Any], Any]) -> ModelSpec:
         class _Pick:
             def integer(self, lo: int, hi: int) -> int:
-                return draw(st.integers(lo, hi))
+                return data(st.integers(lo, hi))
 
             def choice(self, options: Sequence[T]) -> T:
-                return draw(st.sampled_from(options))
+                return data(st.sampled_from(options))
 
-        return draw_spec(_Pick(), grammar)
+        return (draw_spec if draw is None else draw)(_Pick(), grammar)
 
     return specs()
