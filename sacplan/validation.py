@@ -61,7 +61,6 @@ __all__ = [
     "state_tensors",
     "tracker_step_peak",
     "register_state",
-    "accumulated_grads",
 ]
 
 
@@ -333,7 +332,7 @@ class _Step:
     train_step: TrainStep | None
 
 
-def accumulated_grads(model: nn.Module, fn: Callable[[], Any]) -> list[torch.Tensor | None]:
+def _accumulated_grads(model: nn.Module, fn: Callable[[], Any]) -> list[torch.Tensor | None]:
     """Run ``fn()`` and return each parameter's gradient (``model.parameters()`` order) as it stood after its last
     accumulation during the call, copied to the host (None: no gradient accumulated), whatever ``fn`` does with
     ``.grad`` afterwards (an optimizer step, ``zero_grad``).
@@ -624,10 +623,10 @@ class _RealSteps:
             rerun = None
             if noise:  # the user's step steps the optimizer: the rerun runs first, without it
                 torch.manual_seed(seed + 1)
-                rerun = accumulated_grads(model, lambda: user(model, args, None))
+                rerun = _accumulated_grads(model, lambda: user(model, args, None))
                 model.zero_grad(set_to_none=True)
             torch.manual_seed(seed + 1)
-            grads = accumulated_grads(model, lambda: user(model, args, opt))
+            grads = _accumulated_grads(model, lambda: user(model, args, opt))
             if rerun is not None:
                 self.noise.append(max((float((a.float() - b.float()).abs().max()) for a, b in zip(rerun, grads)
                                        if a is not None and b is not None and a.numel()), default=0.0))

@@ -66,7 +66,9 @@ WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozen
 #: matrix products and their matrix operands: the CPU kernels copy an operand BLAS cannot read in place
 #: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``
 #: expanded over a ``Linear``'s output) into a contiguous temporary while they run
-_MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+_MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2),
+                # the ``out=`` forms Inductor's generated code calls (``extern_kernels.mm(a, b, out=buf)``)
+                aten.mm.out: (0, 1), aten.addmm.out: (1, 2), aten.bmm.out: (0, 1), aten.baddbmm.out: (1, 2)}
 #: losses computed as one op that keep temporaries while they run (Loss.cpp, CPU and CUDA alike; CUDA figures
 #: measured on an H200): mse / smooth L1 (reduced) compute the unreduced loss into a TensorIterator temporary
 #: and reduce it into the result; huber (reduced) into ``empty_like(input)``; BCE with logits keeps
@@ -218,8 +220,10 @@ def _measure_cpu(func: Any, flat: list, tspec: Any) -> int:
             peak = profiled_cpu_peak(lambda: result.append(func(*args, **kwargs)))
         except Exception:  # cannot run this signature here: no workspace modelled
             return 0
+        given = {t.untyped_storage().data_ptr() for t in real if isinstance(t, torch.Tensor)}
         outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
-        out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
+        # an ``out=`` argument was allocated before the call: none of its bytes are the call's
+        out_bytes = sum(t.untyped_storage().nbytes() for t in outs if t.untyped_storage().data_ptr() not in given)
         return max(0, peak - out_bytes)
 
 
