@@ -28,8 +28,10 @@ import torch
 from torch import nn
 
 from sacplan.apply import apply_plan, remove_plan
+from sacplan.blocks import repeated_blocks
 from sacplan.collector import collect
 from sacplan.collector.calling import as_inputs
+from sacplan.compiling import compile_model
 from sacplan.devices import CPU
 from sacplan.solver import min_feasible_budget, solve
 from sacplan.testing.fuzzmodels import ModelSpec
@@ -211,10 +213,17 @@ def check_compiled(spec: ModelSpec, fraction: float) -> BudgetCheck:
     budget = lo + round(fraction * (hi - lo))
     plan = solve(tree, Bytes(budget))
     rtol, atol = COMPILED_GRAD_TOLERANCE[spec.precision]
+    # Each model compiles afresh, as in a process of its own: Dynamo would otherwise recompile the block code an
+    # earlier example compiled for other shapes with dynamic shapes (where Inductor itself fails on some)
+    torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rep = validate(lambda: build_model(spec), lambda: make_inputs(spec), plan, device="cpu", seed=spec.seed,
-                       timed_steps=0, compile=True, grad_rtol=rtol, grad_atol=atol, **step_arguments(spec))
+        try:
+            rep = validate(lambda: build_model(spec), lambda: make_inputs(spec), plan, device="cpu", seed=spec.seed,
+                           timed_steps=0, compile=True, grad_rtol=rtol, grad_atol=atol, **step_arguments(spec))
+        except Exception as e:
+            _unplanned_compiled_step(spec, stats)  # InvalidModel where torch cannot compile the model itself
+            raise e
     bound = any("could not be traced" in str(w.message) for w in caught)
     out = []
     if "repeated blocks compiled" not in rep.compiled:
@@ -225,6 +234,20 @@ def check_compiled(spec: ModelSpec, fraction: float) -> BudgetCheck:
     if rep.grads_compared and not rep.grads_match:
         out.append(f"compiled gradients differ beyond rtol {rtol}, atol {atol} (max |diff| {rep.max_grad_abs_diff:.3g})")
     return BudgetCheck(fraction, budget, tuple(_label(d) for d in plan.decisions), tuple(out), rep.summary())
+
+
+def _unplanned_compiled_step(spec: ModelSpec, stats: Any) -> None:
+    """One step of the model without a plan, its repeated blocks compiled as validate compiles them.
+
+    Raises:
+        InvalidModel: torch fails on it (an Inductor error compiling the model itself is not sacplan's).
+    """
+    model, opt = _built(spec)
+    try:
+        compile_model(model, "blocks", repeated_blocks(stats))
+        _step(model, spec, 0, opt)
+    except Exception as e:
+        raise InvalidModel(f"the unplanned compiled step fails: {type(e).__name__}: {e}") from e
 
 
 def failures(spec: ModelSpec, checks: list[BudgetCheck]) -> str:
