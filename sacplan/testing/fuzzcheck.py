@@ -14,7 +14,11 @@ peak, and for each budget fraction ``f`` the plan ``solve(tree, lo + f·(hi − 
 * a step of its own with and without the plan: buffers (BatchNorm running statistics, counters) bitwise equal
   after the step — recomputation must not update them twice;
 * ``remove_plan``: the module's attributes are back as built, and a following step gives bitwise the gradients
-  and buffers of the model that never had a plan.
+  and buffers of the model that never had a plan (after the optimizer's update of the planned step, if any).
+
+Each step runs as the spec says: in bf16 (``dtype``), or with the forward and loss under CPU bf16 autocast (a
+``train_step``), with its optimizer (SGD, AdamW) or none. :func:`check_compiled` validates a model of repeated
+blocks with ``compile=True`` instead.
 
 Failures are collected as text (:attr:`BudgetCheck.failures`), not raised, so a caller sees all of them.
 """
