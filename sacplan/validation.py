@@ -38,6 +38,7 @@ from sacplan.collector import collect, default_loss, default_optimizer
 from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
+from sacplan.collector.step import TrainStep
 from sacplan.collector.workspace import profiled_cpu_peak
 from sacplan.compiled_partition import compiled_step
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
@@ -309,11 +310,55 @@ def _made_for(plan: Any) -> str:
     return f" ({name})" if name else ""
 
 
-def _flops(model: nn.Module, args: Inputs, loss_fn: Callable[[Any, Inputs], torch.Tensor]) -> int:
+def _flops(model: nn.Module, args: Inputs, run: "_Step", opt: torch.optim.Optimizer | None) -> int:
+    """FLOPs of one forward and backward (of one call of the user's ``train_step``, its optimizer step included: the
+    same in both runs)."""
     with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as fc:
-        loss_fn(call_model(model, args), args).backward()
-    model.zero_grad(set_to_none=True)
+        if run.train_step is not None:
+            run.train_step(model, args, opt)
+        else:
+            run.loss(call_model(model, args), args).backward()
+    if run.train_step is None:
+        model.zero_grad(set_to_none=True)
     return int(fc.get_total_flops())
+
+
+@dataclass(frozen=True)
+class _Step:
+    """How :func:`validate`'s real steps run: the built-in step (forward, ``loss``, backward, optimizer step) or
+    the user's ``train_step`` (``(model, inputs, optimizer) -> Any``) when given."""
+
+    loss: Callable[..., torch.Tensor]
+    train_step: TrainStep | None
+
+
+def _accumulated_grads(model: nn.Module, fn: Callable[[], Any]) -> list[torch.Tensor | None]:
+    """Run ``fn()`` and return each parameter's gradient (``model.parameters()`` order) as it stood after its last
+    accumulation during the call, copied to the host (None: no gradient accumulated), whatever ``fn`` does with
+    ``.grad`` afterwards (an optimizer step, ``zero_grad``).
+
+    Raises:
+        ConfigError: no parameter accumulated a gradient (``fn`` ran no backward).
+    """
+    params = list(model.parameters())
+    grads: dict[int, torch.Tensor] = {}
+
+    def keep(i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            grads[i] = p.grad.detach().to("cpu", copy=True)  # type: ignore[union-attr]
+
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(keep(i)) for i, p in enumerate(params) if p.requires_grad]
+    try:
+        fn()
+    finally:
+        for h in handles:
+            h.remove()
+    if not grads:
+        raise ConfigError("train_step accumulated no gradient into any parameter: it must run the backward "
+                          "(loss.backward()) as well as the forward; see validate's train_step")
+    return [grads.get(i) for i in range(len(params))]
 
 
 def _timed(step: Callable[[], None], device: torch.device) -> float:
@@ -361,6 +406,7 @@ def validate(
     progress: Callable[[str], None] | None = None,
     check_fingerprint: bool = True,
     compile: bool | str = False,
+    train_step: TrainStep | None = None,
 ) -> ValidationReport:
     """Run real steps without and with ``plan`` and compare with the predictions (see module docstring).
 
@@ -393,13 +439,24 @@ def validate(
             dispatch mode would run the step eagerly), nor is the tracker cross-check; gradients are compared
             within ``grad_rtol`` / ``grad_atol``, and not at all (``grads_compared=False``) when the step draws
             random numbers (dropout): the two compiled graphs draw different ones.
+        train_step: ``(model, inputs, optimizer) -> Any`` running forward, backward and optimizer step yourself
+            (e.g. the forward and loss under ``torch.autocast``), as :func:`sacplan.collect` takes it, replacing the
+            built-in step (``loss_fn`` is then unused) in the fake step and in every real step: the first (its
+            gradients, compared, are copied as each parameter's gradient is accumulated, so the step may zero or
+            drop them), the measured, timed and FLOP-counted ones. The plan is applied (and the model compiled)
+            before. Gradients are left as the step leaves them, as between ``collect``'s two steps. On CUDA the
+            rerun measuring the kernels' noise calls it with ``optimizer=None``.
 
     Raises:
-        ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan.
+        ConfigError: ``device="cuda"`` without CUDA; a model instead of a factory; no plan; a ``train_step`` that is
+            not callable, or whose first real step accumulates no gradient.
         PlanMismatchError: the plan was made for another model (checked after the fake step, before any
             real one).
     """
     dev = _checked_arguments(model_fn, plan, device, compile)
+    if train_step is not None and not callable(train_step):
+        raise ConfigError(f"train_step must be a callable (model, inputs, optimizer) -> Any running forward, backward "
+                          f"and optimizer step, got {type(train_step).__name__}; or leave it out for the built-in step")
     loss = as_loss(loss_fn) if loss_fn is not None else default_loss
     opt_factory = None if optimizer is False else (optimizer or default_optimizer)
     torch.manual_seed(seed)
@@ -412,8 +469,9 @@ def validate(
 
     say = progress or (lambda _s: None)
     say(f"predicting for this host ({dev.type}): one fake step")
-    host = _host_prediction(build, raw_inputs, plan, dev, opt_factory, loss, check_fingerprint, compile)
-    real = _RealSteps(build, raw_inputs, dev, loss, opt_factory, seed, timed_steps, host.how, host.blocks, say)
+    host = _host_prediction(build, raw_inputs, plan, dev, opt_factory, loss, check_fingerprint, compile, train_step)
+    real = _RealSteps(build, raw_inputs, dev, _Step(loss, train_step), opt_factory, seed, timed_steps, host.how,
+                      host.blocks, say)
     base, g0 = real.run(None, check_fingerprint)
     planned, g1 = real.run(plan, check_fingerprint)
     bitwise, max_diff, close = _grad_comparison(g0, g1, grad_rtol, grad_atol, real.noise)
@@ -452,10 +510,12 @@ class _HostPrediction:
 
 
 def _host_prediction(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: Any, dev: torch.device, opt_factory: Any,
-                     loss: Callable[..., torch.Tensor], check_fingerprint: bool, compile: Any) -> _HostPrediction:
+                     loss: Callable[..., torch.Tensor], check_fingerprint: bool, compile: Any,
+                     train_step: TrainStep | None) -> _HostPrediction:
     """One fake step for this host's spec and the plan's choices evaluated on it (PlanMismatchError first)."""
     spec: DeviceSpec = CPU if dev.type == "cpu" else DeviceSpec.from_current_cuda()
-    fake_kw = {"device": spec, "optimizer": False if opt_factory is None else opt_factory, "loss_fn": loss}
+    fake_kw = {"device": spec, "optimizer": False if opt_factory is None else opt_factory, "loss_fn": loss,
+               "train_step": train_step}
     stats = collect(build, raw_inputs, **fake_kw)
     plan_fp = getattr(plan, "fingerprint", None)
     if check_fingerprint and plan_fp and plan_fp != stats.fingerprint:
@@ -524,10 +584,10 @@ class _RealSteps:
     """The real steps of :func:`validate` on ``dev``: a fresh model per run, the first step's gradients (kept on
     the host), then the measured, timed and FLOP-counted steps."""
 
-    def __init__(self, build: Callable[[], nn.Module], raw_inputs: Inputs, dev: torch.device,
-                 loss: Callable[..., torch.Tensor], opt_factory: Any, seed: int, timed_steps: int, how: str | None,
-                 blocks: Any, say: Callable[[str], None]) -> None:
-        self.build, self.raw_inputs, self.dev, self.loss = build, raw_inputs, dev, loss
+    def __init__(self, build: Callable[[], nn.Module], raw_inputs: Inputs, dev: torch.device, run: _Step,
+                 opt_factory: Any, seed: int, timed_steps: int, how: str | None, blocks: Any,
+                 say: Callable[[str], None]) -> None:
+        self.build, self.raw_inputs, self.dev, self.run_step = build, raw_inputs, dev, run
         self.opt_factory, self.seed, self.timed_steps = opt_factory, seed, timed_steps
         self.how, self.blocks, self.say = how, blocks, say
         self.compiled: list[str] = []
@@ -551,25 +611,48 @@ class _RealSteps:
                 self.compiled.append(compile_model(model, self.how, self.blocks))
             return self.steps(model, False)
 
-    def steps(self, model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor | None]]:
-        dev, loss, seed = self.dev, self.loss, self.seed
-        args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, self.raw_inputs)
-        opt = self.opt_factory([p for p in model.parameters() if p.requires_grad]) if self.opt_factory else None
-        # Step 1: gradients to compare, and optimizer state.
+    def first_step(self, model: nn.Module, args: Inputs, opt: torch.optim.Optimizer | None,
+                   with_plan: bool) -> list[torch.Tensor | None]:
+        """The first step (it creates the optimizer state): its gradients, kept on the host. On CUDA a copy on the
+        device would count in the measured steps' max_memory_allocated (one copy per run: a parameter-sized error in
+        each measurement). On CUDA without the plan, the backward's own run-to-run difference (:attr:`noise`)."""
+        dev, seed, run = self.dev, self.seed, self.run_step
+        noise = dev.type == "cuda" and not with_plan
+        if run.train_step is not None:
+            user = run.train_step
+            rerun = None
+            if noise:  # the user's step steps the optimizer: the rerun runs first, without it
+                torch.manual_seed(seed + 1)
+                rerun = _accumulated_grads(model, lambda: user(model, args, None))
+                model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed + 1)
+            grads = _accumulated_grads(model, lambda: user(model, args, opt))
+            if rerun is not None:
+                self.noise.append(max((float((a.float() - b.float()).abs().max()) for a, b in zip(rerun, grads)
+                                       if a is not None and b is not None and a.numel()), default=0.0))
+            return grads
         torch.manual_seed(seed + 1)
-        loss(call_model(model, args), args).backward()
-        # Kept on the host: on CUDA a copy on the device would count in the measured steps' max_memory_allocated
-        # (one copy per run: a parameter-sized error in each measurement).
+        run.loss(call_model(model, args), args).backward()
         grads = [p.grad.detach().to("cpu", copy=True) if p.grad is not None else None for p in model.parameters()]
-        if dev.type == "cuda" and not with_plan:
-            self.noise.append(_rerun_difference(model, args, loss, seed + 1, grads))
+        if noise:
+            self.noise.append(_rerun_difference(model, args, run.loss, seed + 1, grads))
         if opt is not None:
             opt.step()
         model.zero_grad(set_to_none=True)
+        return grads
+
+    def steps(self, model: nn.Module, with_plan: bool) -> tuple[Measurement, list[torch.Tensor | None]]:
+        dev, run, seed = self.dev, self.run_step, self.seed
+        args = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, self.raw_inputs)
+        opt = self.opt_factory([p for p in model.parameters() if p.requires_grad]) if self.opt_factory else None
+        grads = self.first_step(model, args, opt, with_plan)
 
         def step() -> None:
             torch.manual_seed(seed + 2)
-            l = loss(call_model(model, args), args)
+            if run.train_step is not None:
+                run.train_step(model, args, opt)
+                return
+            l = run.loss(call_model(model, args), args)
             l.backward()
             del l
             if opt is not None:
@@ -583,7 +666,7 @@ class _RealSteps:
         if times:
             ms = statistics.median(times)
         torch.manual_seed(seed + 3)
-        flops = _flops(model, args, loss) if self.how is None else None
+        flops = _flops(model, args, run, opt) if self.how is None else None
         if with_plan:
             remove_plan(model)
         method = "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "torch.profiler CPU allocator events + live bytes at step start"

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from sacplan.apply.autocast import CacheHits
 from sacplan.apply.kv_cache import check_kv_cache, refuse_cache_kwargs
 from sacplan.apply.policy import make_policy, outside_ptrs, policy_settings
 from sacplan.apply.rng import generator_states, rng_mismatch
@@ -219,10 +220,13 @@ class _PlannedForward:
         saved, save_random, mutation, fused_dropout = set(self.saved), self.save_random, self.mutation, self.fused_dropout
 
         def context_fn() -> Any:
-            return create_selective_checkpoint_contexts(
-                make_policy(saved, save_random, outside, fused_dropout=fused_dropout, no_rng_state=not rng, region=fqn),
+            hits = CacheHits()  # autocast's weight cache (sacplan.apply.autocast)
+            forward, recompute = create_selective_checkpoint_contexts(
+                make_policy(saved, save_random, outside, fused_dropout=fused_dropout, no_rng_state=not rng, region=fqn,
+                            cache_hits=hits),
                 allow_cache_entry_mutation=mutation or bool(outside),
             )
+            return forward, hits.priming(recompute)
 
         out = checkpoint(run, *unique, use_reentrant=False, context_fn=context_fn, preserve_rng_state=rng)
         self.checked = True

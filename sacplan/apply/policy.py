@@ -68,6 +68,7 @@ def make_policy(
     fused_dropout: bool = False,
     no_rng_state: bool = False,
     region: str = "",
+    cache_hits: Any = None,
 ) -> Callable[..., CheckpointPolicy]:
     """A fresh SAC policy function that saves ops whose ``(family, occurrence)`` is in ``saved``.
 
@@ -86,6 +87,7 @@ def make_policy(
     draws some after all (dropout turned on since, a module in eval mode when collected) raises
     :class:`~sacplan.errors.PlanMismatchError`, as its recomputation would replay other random numbers and
     change the gradients silently.
+    ``cache_hits``: a :class:`~sacplan.apply.autocast.CacheHits` told of every forward op (autocast's weight cache).
     The occurrence counters live in the returned closure, so call this once per forward invocation.
     """
     counters: dict[tuple[bool, str], int] = {}
@@ -96,6 +98,8 @@ def make_policy(
         info = _op_info(func)
         rnd, fam = info.random, info.family
         recompute = bool(getattr(ctx, "is_recompute", False))
+        if cache_hits is not None and not recompute:
+            cache_hits.note(func, args, kwargs)
         if no_rng_state and not recompute and (rnd or info.attention) and draws_random_numbers(func, args, kwargs):
             raise rng_mismatch(region, str(func))
         if fused_dropout and not compiled:

@@ -22,6 +22,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
 
+from sacplan.collector.autocast import autocast_caching
 from sacplan.collector.records import ACT, INPUT, CallRecord, OpRecord, Segment
 from sacplan.collector.storage import StorageAccounting, storages_of, tensor_bytes_of
 from sacplan.devices import DeviceSpec
@@ -98,6 +99,12 @@ class ModuleCallHooks(StorageAccounting):
                 total += self.spec.round_alloc(st.nbytes())
         return total
 
+    def _cache_held(self, rec: CallRecord) -> int:
+        """Bytes of the parameter casts made in the call that the autocast weight cache alone holds now (alive,
+        saved by no op): checkpointing the call cannot discard them (:mod:`sacplan.collector.autocast`)."""
+        return sum(b for k, b in self.weight_casts.items()
+                   if k > rec.alloc_seq_pre and k in self.live_keys and k not in self.packed_at)
+
     # ------------------------------------------------------------------ hooks ---------------------
     def _fw_pre(self, mod: nn.Module, inputs: Any) -> None:
         if mod in self._deferred:
@@ -132,6 +139,7 @@ class ModuleCallHooks(StorageAccounting):
             input_external_bytes=self._external_bytes(inputs),
             input_keys=self._activation_keys(inputs),
             arg_keys=self.read_keys(inputs),
+            autocast_cache=autocast_caching(),
         )
         self.calls.append(rec)
         self.fw_stack.append(rec)
@@ -175,7 +183,7 @@ class ModuleCallHooks(StorageAccounting):
         rec.out_new_bytes = new_out
         rec.out_new = tuple(made.items())
         kept = self.act_alloc_total - rec.act_alloc_pre - rec.act_freed_inside
-        rec.act_kept = max(0, kept - new_out)
+        rec.act_kept = max(0, kept - new_out - self._cache_held(rec))
         rec.output_bytes = tensor_bytes_of(output, self.spec)
         if kwargs:
             # Tensors passed by keyword are inputs too (the global pre-hook only sees positional ones):

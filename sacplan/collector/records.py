@@ -64,6 +64,8 @@ class CallRecord:
     act_alloc_pre: int = 0
     act_freed_inside: int = 0
     act_kept: int = 0
+    #: an autocast context with its weight cache was active when the call began (:mod:`sacplan.collector.autocast`)
+    autocast_cache: bool = False
     out_sids: tuple[int, ...] = ()  #: storage keys of the output (see ``StepRecorder.storage_key``)
     out_new_bytes: int = 0
     #: ``(storage key, bytes)`` of the distinct output storages the call made (``out_new_bytes`` counts them)

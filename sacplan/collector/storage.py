@@ -80,6 +80,8 @@ class StorageAccounting:
         #: keys (:meth:`storage_key`) of the tracked storages alive now
         self.live_keys: set[int] = set()
         self.act_alloc_total = 0  # cumulative activation bytes allocated (for per-call kept bytes)
+        #: storage key → bytes of the parameter casts the autocast weight cache holds (sacplan.collector.autocast)
+        self.weight_casts: dict[int, int] = {}
         self.sid_creator: dict[int, int] = {}  # sid -> global forward op index that created it
         self.alloc_seq = 0
         self.recording = False

@@ -24,6 +24,7 @@ import torch._prims_common as _prims_common
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sacplan.collector.autocast import is_weight_cast
 from sacplan.collector.inplaceviews import InplaceViewBackwards
 from sacplan.collector.linearbias import LinearBiasMode, is_linear_bias_add
 from sacplan.collector.module_hooks import ModuleCallHooks
@@ -150,6 +151,9 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         if accumulated is not None:
             self.defer_accumulation_peak(accumulated)
         out_keys = tuple(self.storages[sid][2] for sid in out_sids)
+        if fresh and category == ACT and self.fw_stack and self.fw_stack[-1].autocast_cache \
+                and is_weight_cast(func, args, kwargs):
+            self.weight_casts[out_keys[0]] = new_bytes
         ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
         if ws and self.total + ws > self.seg_peak:
             self.seg_peak = self.total + ws

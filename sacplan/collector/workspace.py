@@ -15,8 +15,10 @@ recorder adds them to the current segment's peak as transient ``temp`` bytes.
   measured with the current one); exact GELU's backward keeps two input-sized temporaries when the output
   gradient is not laid out as the input (a conv block's activation before a transpose: measured 3x the output); the losses of one op (MSE, smooth L1, Huber, BCE with logits) keep the
   unreduced loss in input-sized temporaries; matrix products copy an operand BLAS cannot read in place (a stride-0 gradient
-  expanded from a ``sum`` / ``mean``; only such signatures are measured). (CTC loss backward follows its rule
-  below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
+  expanded from a ``sum`` / ``mean``; only such signatures are measured, and every bf16 / fp16 one: without a
+  native reduced-precision GEMM the CPU kernel computes through fp32 copies of its operands and result, measured
+  1.6-3.6x the bf16 output on a 64 x 64 ``mm``); reductions of bf16 / fp16 tensors (a ``mean`` keeps an fp32
+  copy of its input) are measured too. (CTC loss backward follows its rule below.) Signatures whose tensors exceed :data:`MEASURE_CAP_BYTES` fall back to the CUDA rules below.
 
 * CUDA targets, derived from the kernels' sources: layer norm (forward and backward) runs on
   ``expect_contiguous()`` copies of a non-contiguous input / output gradient; ``_safe_softmax`` is composite
@@ -64,7 +66,9 @@ WORKSPACE_OPS = _CONV_OPS | frozenset(_LAYER_NORM_ARGS) | _CTC_BACKWARD | frozen
 #: matrix products and their matrix operands: the CPU kernels copy an operand BLAS cannot read in place
 #: (neither of its last two dimensions has stride 1, or a stride is 0, as in the gradient of ``sum`` / ``mean``
 #: expanded over a ``Linear``'s output) into a contiguous temporary while they run
-_MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
+_MATMUL_ARGS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2),
+                # the ``out=`` forms Inductor's generated code calls (``extern_kernels.mm(a, b, out=buf)``)
+                aten.mm.out: (0, 1), aten.addmm.out: (1, 2), aten.bmm.out: (0, 1), aten.baddbmm.out: (1, 2)}
 #: losses computed as one op that keep temporaries while they run (Loss.cpp, CPU and CUDA alike; CUDA figures
 #: measured on an H200): mse / smooth L1 (reduced) compute the unreduced loss into a TensorIterator temporary
 #: and reduce it into the result; huber (reduced) into ``empty_like(input)``; BCE with logits keeps
@@ -87,12 +91,14 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
     """Transient bytes ``func`` allocates beyond its outputs on ``spec`` (0 when not modelled)."""
     if func not in WORKSPACE_OPS:
         return 0
-    if func in REDUCTION_OPS:  # from the CUDA kernel's configuration; never measured on the host
-        return reduction_staging_bytes(spec, func, args, kwargs)
+    host = spec.name == "CPU"
+    if func in REDUCTION_OPS and not (host and _reduced_precision(args)):
+        return reduction_staging_bytes(spec, func, args, kwargs)  # from the CUDA kernel's configuration
     flat, tspec = tree_flatten((args, kwargs))
-    if func in _MATMUL_ARGS and all(_blas_ready(args[i]) for i in _MATMUL_ARGS[func] if i < len(args)):
+    if func in _MATMUL_ARGS and all(_blas_ready(args[i]) for i in _MATMUL_ARGS[func] if i < len(args)) \
+            and not (host and _reduced_precision(args)):
         return 0  # the common case, not measured: BLAS reads both operands where they are
-    if spec.name == "CPU" and func not in _CTC_BACKWARD:
+    if host and func not in _CTC_BACKWARD:
         size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
         if size <= MEASURE_CAP_BYTES:
             key = (func, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in flat))
@@ -214,9 +220,17 @@ def _measure_cpu(func: Any, flat: list, tspec: Any) -> int:
             peak = profiled_cpu_peak(lambda: result.append(func(*args, **kwargs)))
         except Exception:  # cannot run this signature here: no workspace modelled
             return 0
+        given = {t.untyped_storage().data_ptr() for t in real if isinstance(t, torch.Tensor)}
         outs = [t for t in tree_flatten(result[0])[0] if isinstance(t, torch.Tensor)]
-        out_bytes = sum(t.untyped_storage().nbytes() for t in outs)
+        # an ``out=`` argument was allocated before the call: none of its bytes are the call's
+        out_bytes = sum(t.untyped_storage().nbytes() for t in outs if t.untyped_storage().data_ptr() not in given)
         return max(0, peak - out_bytes)
+
+
+def _reduced_precision(args: tuple) -> bool:
+    """Whether a tensor argument is bf16 or fp16: the host CPU kernels of matrix products and reductions then
+    compute through fp32 copies (measured, see the module docstring)."""
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in args)
 
 
 def _blas_ready(t: Any) -> bool:

@@ -1,14 +1,17 @@
 """The ``nn.Module`` s of the fuzz grammar (:mod:`sacplan.testing.fuzzmodels`): one class per leaf kind, the
-containers, the whole :class:`FuzzModel`, and its inputs and loss."""
+containers, the whole :class:`FuzzModel`, its inputs and loss, and how it trains (:func:`model_dtype`,
+:func:`make_optimizer`, :func:`forward_loss`, :func:`train_step`)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sacplan.collector.calling import as_inputs, call_model
 from sacplan.testing.fuzzmodels import CONTAINER_KINDS, LEAF_KINDS, Layer, ModelSpec
 
 
@@ -349,6 +352,9 @@ def make_inputs(spec: ModelSpec) -> Any:
     else:
         x = torch.randn(spec.batch, spec.seq, spec.dim, generator=g)
         labels = torch.randn(spec.batch, spec.seq, spec.dim, generator=g)
+        dtype = model_dtype(spec)
+        if dtype is not None:  # a bf16 model takes bf16 features (fp32 ones fail in its first Linear)
+            x, labels = x.to(dtype), labels.to(dtype)
     return {"x": x, "labels": labels} if spec.kwargs_inputs else (x,)
 
 
@@ -367,3 +373,43 @@ def loss_fn(spec: ModelSpec) -> Callable[[torch.Tensor, Any], torch.Tensor]:
         return (out - target).square().mean()
 
     return loss
+
+
+# ------------------------------------------------------------------------------------------ training
+def model_dtype(spec: ModelSpec) -> torch.dtype | None:
+    """The ``dtype=`` of collect and validate for ``spec.precision`` (``torch.bfloat16`` for ``"bf16"``, else
+    None: fp32 weights, under autocast too)."""
+    return torch.bfloat16 if spec.precision == "bf16" else None
+
+
+def make_optimizer(spec: ModelSpec) -> Callable[[Any], torch.optim.Optimizer] | bool:
+    """The ``optimizer=`` of collect and validate for ``spec.optimizer``: ``False`` (none), SGD with momentum 0.9
+    or AdamW (foreach, as collect's default) as a factory ``params -> Optimizer``."""
+    if spec.optimizer == "none":
+        return False
+    if spec.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    if spec.optimizer == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    raise ValueError(f"unknown fuzz optimizer {spec.optimizer!r}; one of none, sgd, adamw")
+
+
+def forward_loss(spec: ModelSpec, model: nn.Module, inputs: Any) -> torch.Tensor:
+    """The loss of one forward of ``model`` on ``inputs`` (a tuple or keyword arguments), the forward and the loss
+    under CPU bf16 autocast when ``spec.precision`` is ``"autocast"``."""
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if spec.precision == "autocast" else contextlib.nullcontext()
+    with cast:
+        return loss_fn(spec)(call_model(model, as_inputs(inputs)), inputs)
+
+
+def train_step(spec: ModelSpec) -> Callable[[nn.Module, Any, torch.optim.Optimizer | None], None]:
+    """A ``train_step=`` for collect and validate, ``(model, inputs, optimizer) -> None``: :func:`forward_loss`,
+    backward, the optimizer step when there is one, gradients set to None."""
+
+    def step(model: nn.Module, inputs: Any, opt: torch.optim.Optimizer | None) -> None:
+        forward_loss(spec, model, inputs).backward()
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+
+    return step
