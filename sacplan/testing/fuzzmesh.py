@@ -9,8 +9,8 @@ The multi-rank twin of :mod:`sacplan.testing.fuzzcheck`. For a :class:`MeshCase`
    ``solve(tree, lo + f·(hi − lo), fsdp_units=...)`` between the minimum feasible budget ``lo`` and the
    no-checkpointing peak ``hi`` (bytes, for the CPU allocator).
 2. **Measurement** (2 spawned gloo ranks, FileStore rendezvous in a temporary folder): each rank builds the
-   model (same weights everywhere), applies the plan *before* ``fully_shard`` (README, "Multi-GPU"), and runs
-   its own batch (:func:`rank_inputs`) without and with the plan: one step whose FLOPs are counted
+   model (same weights everywhere), applies the plan before ``fully_shard`` (README, "Multi-GPU"; or after it,
+   as the case draws), and runs its own batch (:func:`rank_inputs`) without and with the plan: one step whose FLOPs are counted
    (``FlopCounterMode``) and whose local gradient shards and buffers are kept, then the least StepRecorder
    peak of :data:`MEASURED_STEPS` steps (gloo's worker threads free a collective's buffers when they get to
    it, so one step can hold one a little longer than the schedule needs).
@@ -18,9 +18,14 @@ The multi-rank twin of :mod:`sacplan.testing.fuzzcheck`. For a :class:`MeshCase`
    without and with the plan; local gradient shards and buffers bitwise equal with and without the plan;
    recomputed FLOPs (planned step minus unplanned step) exactly the plan's.
 
-The step is forward, loss, backward and ``zero_grad(set_to_none=True)``: no optimizer (``collect(...,
-optimizer=False)``), as in :mod:`sacplan.testing.fuzzcheck` (at fuzz sizes the optimizer state would hold the
-peak and hide the activations).
+The step is forward, loss, backward, then AdamW's step when the case has an optimizer, and
+``zero_grad(set_to_none=True)``; without one (``collect(..., optimizer=False)``, as in
+:mod:`sacplan.testing.fuzzcheck`) the activations are more of the peak at fuzz sizes.
+
+Peaks are sacplan's :class:`~sacplan.collector.tracker.StepRecorder` on the real tensors (DTensor local shards,
+``resize_`` of FSDP2's buffers; the CPU RNG state ``torch.utils.checkpoint`` stashes registered as it is made),
+as the multi-rank tests measure them: the CPU allocator's own events (``torch.profiler``) miss the frees gloo's
+worker threads make.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from sacplan.testing.fuzzmodels import CHECKED, Grammar, ModelSpec, Picker, draw
 from sacplan.testing.fuzzmodules import build_model, loss_fn, make_inputs
 
 __all__ = ["MESH_GRAMMAR", "POLICIES", "WORLD_SIZE", "PEAK_TOLERANCE", "MeshCase", "MeshPrediction", "RankResult",
-           "InvalidMeshModel", "case_strategy", "check_case", "draw_case", "mesh_failures", "mp_policy", "predict", "rank_inputs", "shard_model"]
+           "InvalidMeshModel", "case_strategy", "check_case", "compute_dtype_step", "draw_case", "measure", "mesh_failures", "mp_policy", "predict", "rank_inputs", "shard_model"]
 
 T = TypeVar("T")
 
@@ -60,8 +65,8 @@ MESH_GRAMMAR: Grammar = dataclasses.replace(CHECKED, feature_tie=False)
 
 
 class InvalidMeshModel(Exception):
-    """The model's own unplanned step fails on the real ranks (torch refuses it, e.g. an fp32 attention mask
-    with bf16 queries): nothing to compare against."""
+    """The model's own unplanned step fails (torch refuses it in its compute dtype, e.g. an fp32 BatchNorm running
+    mean with bf16 activations): nothing to compare against."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ class MeshCase:
 
     ``optimizer``: the step ends with AdamW (``foreach``, sacplan's default) on the local shards, else with
     ``zero_grad`` only; ``reshard``: ``reshard_after_forward`` of the body's units (the root's is FSDP2's own);
-    ``order``: the plan applied ``"before"`` or ``"after"`` ``fully_shard``."""
+    ``order``: the plan applied ``"before"`` or ``"after"`` ``fully_shard``; ``group``: the body's first two
+    children are one unit (``fully_shard([a, b])``, as torchtitan groups ``[norm, output]``) when it has two."""
 
     spec: ModelSpec
     policy: str = "none"
@@ -82,6 +88,7 @@ class MeshCase:
     optimizer: bool = False
     reshard: bool = True
     order: str = "before"
+    group: bool = False
 
 
 def draw_case(pick: Picker, grammar: Grammar = MESH_GRAMMAR) -> MeshCase:
@@ -94,7 +101,8 @@ def draw_case(pick: Picker, grammar: Grammar = MESH_GRAMMAR) -> MeshCase:
     fraction = pick.integer(0, 100) / 100
     cast = policy != "none" and pick.choice((True, False))
     return MeshCase(spec, policy, fraction, cast_buffers=cast, optimizer=pick.choice((False, True)),
-                    reshard=pick.choice((True, False)), order=pick.choice(("before", "after")))
+                    reshard=pick.choice((True, False)), order=pick.choice(("before", "after")),
+                    group=len(spec.layers) > 1 and pick.choice((False, True)))
 
 
 def case_strategy(grammar: Grammar = MESH_GRAMMAR) -> Any:
@@ -139,8 +147,8 @@ def cast_floating_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def shard_model(model: nn.Module, mesh: Any, case: MeshCase) -> nn.Module:
-    """``fully_shard`` every top-level child of ``model.body``, then the root, on ``mesh`` with the case's policy
-    and ``reshard_after_forward`` (``case.cast_buffers``: floating-point buffers first cast to the policy's
+    """``fully_shard`` every top-level child of ``model.body`` (the first two together with ``case.group``), then
+    the root, on ``mesh`` with the case's policy and ``reshard_after_forward`` (``case.cast_buffers``: floating-point buffers first cast to the policy's
     compute dtype)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -150,8 +158,10 @@ def shard_model(model: nn.Module, mesh: Any, case: MeshCase) -> nn.Module:
         kw["mp_policy"] = mp
         if case.cast_buffers:
             cast_floating_buffers(model, mp.param_dtype)
-    for child in model.body:  # type: ignore[union-attr]
-        fully_shard(child, reshard_after_forward=case.reshard, **kw)
+    children = list(model.body)  # type: ignore[union-attr]
+    units: list[Any] = [children[:2]] + children[2:] if case.group and len(children) > 1 else children
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=case.reshard, **kw)
     fully_shard(model, **kw)
     return model
 
