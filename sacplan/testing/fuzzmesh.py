@@ -148,8 +148,8 @@ def cast_floating_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 def shard_model(model: nn.Module, mesh: Any, case: MeshCase) -> nn.Module:
     """``fully_shard`` every top-level child of ``model.body`` (the first two together with ``case.group``), then
-    the root, on ``mesh`` with the case's policy and ``reshard_after_forward`` (``case.cast_buffers``: floating-point buffers first cast to the policy's
-    compute dtype)."""
+    the root, on ``mesh`` with the case's policy and ``reshard_after_forward`` (``case.cast_buffers``: the
+    floating-point buffers first cast to the policy's compute dtype)."""
     from torch.distributed.fsdp import fully_shard
 
     kw: dict[str, Any] = {"mesh": mesh}
