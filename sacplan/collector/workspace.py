@@ -81,7 +81,16 @@ _SCRATCH_LOSSES = frozenset({
 #: cuDNN batch norm backward runs on ``grad_output.contiguous(input.suggest_memory_format())``
 #: (aten/src/ATen/native/cudnn/BatchNorm.cpp): a copy while it runs when the gradient arrives in another layout
 _CUDNN_BN_BACKWARD = aten.cudnn_batch_norm_backward.default
+#: gloo's reduce-scatter of one flat tensor (``_reduce_scatter_base``: FSDP2's gradient reduce-scatter) reduces a
+#: clone of its input, then copies this rank's chunk out of it: an input-sized transient on the host CPU, where
+#: collectives run on gloo (seen on 2 gloo ranks as a split of a storage of the input's size and dtype made after
+#: the collective, dead when it returns; up to 16% of a small model's per-rank peak with an fp32 reduce).
+#: NCCL, on CUDA targets, reduces without such a copy.
+_GLOO_REDUCE_SCATTER = getattr(getattr(torch.ops, "c10d", None), "_reduce_scatter_base_", None)
+_GLOO_REDUCE_SCATTER = getattr(_GLOO_REDUCE_SCATTER, "default", None)
 WORKSPACE_OPS = WORKSPACE_OPS | frozenset(_MATMUL_ARGS) | REDUCTION_OPS | _SCRATCH_LOSSES | {_CUDNN_BN_BACKWARD}
+if _GLOO_REDUCE_SCATTER is not None:
+    WORKSPACE_OPS = WORKSPACE_OPS | {_GLOO_REDUCE_SCATTER}
 #: CPU workspaces are measured on real tensors only up to this many argument bytes (then the CUDA rules apply)
 MEASURE_CAP_BYTES = 256 * 2**20
 _CACHE: dict[Any, int] = {}
@@ -92,6 +101,9 @@ def workspace_bytes(spec: DeviceSpec, func: Any, args: tuple, kwargs: dict, out:
     if func not in WORKSPACE_OPS:
         return 0
     host = spec.name == "CPU"
+    if func is _GLOO_REDUCE_SCATTER:  # a collective: never run to be measured
+        inp = args[1] if len(args) > 1 else None
+        return spec.round_alloc(inp.untyped_storage().nbytes()) if host and isinstance(inp, torch.Tensor) else 0
     if func in REDUCTION_OPS and not (host and _reduced_precision(args)):
         return reduction_staging_bytes(spec, func, args, kwargs)  # from the CUDA kernel's configuration
     flat, tspec = tree_flatten((args, kwargs))
