@@ -202,6 +202,7 @@ def build_stats(
                 recompute_stop=stop,
                 tradeoff=tradeoff,
                 held_input_bytes=tuple(recorder.held_by_checkpoint(r) for r in recs),
+                cache_held=tuple(r.cache_held for r in recs) if any(r.cache_held for r in recs) else (),
                 input_external_bytes=first.input_external_bytes,
             )
         )
