@@ -121,6 +121,10 @@ class OpStat:
             done, before this module's backward; a selective cache holding it would keep it through this module's
             recomputation and backward. Such an op is never saved (:mod:`sacplan.opgroups`). False in stats from
             older versions.
+        cached_cast: the op is a parameter's cast that autocast's weight cache keeps until autocast exits
+            (:mod:`sacplan.collector.autocast`). Never saved (:mod:`sacplan.opgroups`): the memory model frees a
+            checkpointed call's saved casts at backward events only (:attr:`ModuleStats.cache_held`), which a save
+            list keeping one would count twice. False in stats from older versions and without autocast.
     """
 
     index: int
@@ -138,6 +142,7 @@ class OpStat:
     below_peak_bytes: int | None = None
     tied_to: tuple[int, ...] = ()
     output_kept_outside: bool = False
+    cached_cast: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
