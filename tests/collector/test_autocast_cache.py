@@ -18,7 +18,7 @@ from torch import nn
 
 from sacplan.collector import collect
 from sacplan.devices import CPU
-from sacplan.evaluate import event_peaks
+from sacplan.evaluate import event_peaks, module_outcome
 from sacplan.solver.problem import SacProblem
 from sacplan.stats import ModelStats, Phase
 from sacplan.timeline import Timeline
@@ -81,3 +81,13 @@ def test_cache_held_survives_json_and_old_files_read_as_empty() -> None:
     for m in d["modules"]:
         del m["cache_held"]
     assert ModelStats.from_dict(d).module("1").cache_held == ()
+
+
+def test_a_cached_cast_is_never_saved() -> None:
+    """Naming Linear 1's weight cast in a save list keeps nothing: autocast's cache holds it through the forward
+    anyway, and the memory model frees it at backward events only (a kept one would be counted twice)."""
+    ops = _stats().module("1").ops
+    assert [(o.name, o.cached_cast) for o in ops] == [
+        ("aten._to_copy.default", True), ("aten.t.default", False), ("aten.mm.default", False)]
+    out = module_outcome(_stats().module("1"), frozenset({("aten._to_copy.default", 0)}))
+    assert out.saved_keys == frozenset() and out.discard_bytes == (CAST,)
