@@ -158,7 +158,9 @@ def event_peaks(
     :func:`~sacplan.devices.checkpoint_state_bytes` (the stashed RNG state when the target is the host CPU and the
     module draws random numbers)
     and its :attr:`~sacplan.stats.ModuleStats.held_input_bytes` (inputs the checkpoint holds), from its forward
-    to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`); at its rc events the
+    to the end of its backward (:meth:`~sacplan.stats.ModelStats.backward_active`), and at the forward events after
+    its forward the parameter casts autocast's weight cache holds until autocast exits
+    (:attr:`~sacplan.stats.ModuleStats.cache_held`: its discard frees them for the backward only); at its rc events the
     recompute transient (``extra_bytes``) plus ``surges[fqn]`` (bytes a selective recomputation peaks above
     the forward, :attr:`ModuleOutcome.surge_bytes`) plus, for a region that keeps the RNG state, the copy of it
     ``torch.random.fork_rng`` holds while the region is recomputed (:func:`rng_copy_bytes`). ``timeline``: ``Timeline.of(tree.stats, world_size)`` when
@@ -172,12 +174,16 @@ def event_peaks(
         held = tree.node(fqn).stats.held_input_bytes
         return rng_state[fqn] + (held[call] if call < len(held) else 0)
 
-    def freed(entries: Sequence[tuple[str, int]]) -> np.ndarray:
+    def cached(fqn: str, call: int) -> int:
+        ch = tree.node(fqn).stats.cache_held
+        return ch[call] if call < len(ch) else 0
+
+    def freed(entries: Sequence[tuple[str, int]], forward: bool) -> np.ndarray:
         out = np.zeros(len(entries))
         for k, (fqn, c) in enumerate(entries):
             d = discards.get(fqn)
             if d is not None and c < len(d):
-                out[k] = d[c] - kept(fqn, c)
+                out[k] = d[c] - kept(fqn, c) - (cached(fqn, c) if forward else 0)
         return out
 
     bw_kept = np.asarray([kept(f, c) if f in discards else 0 for f, c in tl.bw_entries], dtype=float)
@@ -185,7 +191,8 @@ def event_peaks(
     for i, (ph, fqn) in enumerate(zip(tl.phase, tl.module)):
         if ph == RC and fqn in discards:
             added[i] += tl.extra[i] + surges.get(fqn, 0) + rng_state[fqn]
-    return [int(math.ceil(m - 1e-6)) for m in tl.peaks(freed(tl.fw_entries), freed(tl.bw_entries), added)]
+    peaks = tl.peaks(freed(tl.fw_entries, True), freed(tl.bw_entries, False), added)
+    return [int(math.ceil(m - 1e-6)) for m in peaks]
 
 
 def predict(

@@ -121,6 +121,10 @@ class OpStat:
             done, before this module's backward; a selective cache holding it would keep it through this module's
             recomputation and backward. Such an op is never saved (:mod:`sacplan.opgroups`). False in stats from
             older versions.
+        cached_cast: the op is a parameter's cast that autocast's weight cache keeps until autocast exits
+            (:mod:`sacplan.collector.autocast`). Never saved (:mod:`sacplan.opgroups`): the memory model frees a
+            checkpointed call's saved casts at backward events only (:attr:`ModuleStats.cache_held`), which a save
+            list keeping one would count twice. False in stats from older versions and without autocast.
     """
 
     index: int
@@ -138,6 +142,7 @@ class OpStat:
     below_peak_bytes: int | None = None
     tied_to: tuple[int, ...] = ()
     output_kept_outside: bool = False
+    cached_cast: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -228,6 +233,10 @@ class ModuleStats:
             (the step frees them before backward starts): checkpointing the module keeps them from its
             forward to its backward, because ``torch.utils.checkpoint`` holds a region's inputs to re-run it.
             Empty: none (stats from older versions).
+        cache_held: per call, bytes of the parameter casts the call saved for backward that autocast's weight cache
+            holds as well until autocast exits (the end of the forward and loss; :mod:`sacplan.collector.autocast`):
+            part of ``act_bytes``, but checkpointing the call frees them only for the backward, not for the forward
+            events after the call. Empty: none (no autocast, or stats from older versions).
         input_external_bytes: bytes of the first call's inputs (part of ``input_bytes``) that the step did not
             allocate: the example inputs, and tensors made before the step that are neither parameters nor
             buffers. 0 in stats from older versions.
@@ -267,6 +276,7 @@ class ModuleStats:
     tradeoff: TradeOff | None = None
     held_input_bytes: tuple[int, ...] = ()
     input_external_bytes: int = 0
+    cache_held: tuple[int, ...] = ()
 
     @property
     def draws_random(self) -> bool:
@@ -316,6 +326,7 @@ class ModuleStats:
         for name in ("act_bytes", "act_grad_bytes", "fw_transient_bytes", "fw_flops", "bw_flops"):
             kw[name] = tuple(int(x) for x in d[name])
         kw["held_input_bytes"] = tuple(int(x) for x in d.get("held_input_bytes", ()))
+        kw["cache_held"] = tuple(int(x) for x in d.get("cache_held", ()))
         for name in ("fw_ms", "bw_ms"):
             kw[name] = tuple(float(x) for x in d[name])
         return cls(**kw)

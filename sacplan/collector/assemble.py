@@ -59,6 +59,7 @@ def _op_stats(rec: CallRecord, recorder: StepRecorder, ties: list[tuple[int, ...
                 is_output=is_out, save_cost_bytes=cost if not o.is_view else 0,
                 below_peak_bytes=max(0, peak - o.live), tied_to=ties[k] if k < len(ties) else (),
                 output_kept_outside=outside,
+                cached_cast=any(s in recorder.weight_casts for s, b in zip(o.out_sids, o.out_new) if b > 0),
             )
         )
     stop = max(0, rec.last_pack - rec.op_start) if rec.last_pack >= 0 else 0
@@ -202,6 +203,7 @@ def build_stats(
                 recompute_stop=stop,
                 tradeoff=tradeoff,
                 held_input_bytes=tuple(recorder.held_by_checkpoint(r) for r in recs),
+                cache_held=tuple(r.cache_held for r in recs) if any(r.cache_held for r in recs) else (),
                 input_external_bytes=first.input_external_bytes,
             )
         )

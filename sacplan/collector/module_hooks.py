@@ -105,6 +105,14 @@ class ModuleCallHooks(StorageAccounting):
         return sum(b for k, b in self.weight_casts.items()
                    if k > rec.alloc_seq_pre and k in self.live_keys and k not in self.packed_at)
 
+    def cache_saved_bytes(self, rec: CallRecord, made: dict[int, int]) -> int:
+        """Bytes of the parameter casts made in call ``rec`` (not its outputs ``made``) that an op of the call saved
+        for backward: part of its activations, but autocast's weight cache holds them as well until the outermost
+        autocast context exits (the end of the forward and loss), so checkpointing the call frees them for its
+        backward only, not for the rest of the forward (:mod:`sacplan.collector.autocast`)."""
+        return sum(b for k, b in self.weight_casts.items()
+                   if k > rec.alloc_seq_pre and k in self.live_keys and k not in made and self.packed_by(rec, k))
+
     # ------------------------------------------------------------------ hooks ---------------------
     def _fw_pre(self, mod: nn.Module, inputs: Any) -> None:
         if mod in self._deferred:
@@ -184,6 +192,7 @@ class ModuleCallHooks(StorageAccounting):
         rec.out_new = tuple(made.items())
         kept = self.act_alloc_total - rec.act_alloc_pre - rec.act_freed_inside
         rec.act_kept = max(0, kept - new_out - self._cache_held(rec))
+        rec.cache_held = min(rec.act_kept, self.cache_saved_bytes(rec, made))
         rec.output_bytes = tensor_bytes_of(output, self.spec)
         if kwargs:
             # Tensors passed by keyword are inputs too (the global pre-hook only sees positional ones):

@@ -66,6 +66,9 @@ class CallRecord:
     act_kept: int = 0
     #: an autocast context with its weight cache was active when the call began (:mod:`sacplan.collector.autocast`)
     autocast_cache: bool = False
+    #: bytes of the parameter casts made in the call that an op of it saved and autocast's weight cache also holds
+    #: until autocast exits (:meth:`~sacplan.collector.module_hooks.ModuleCallHooks.cache_saved_bytes`)
+    cache_held: int = 0
     out_sids: tuple[int, ...] = ()  #: storage keys of the output (see ``StepRecorder.storage_key``)
     out_new_bytes: int = 0
     #: ``(storage key, bytes)`` of the distinct output storages the call made (``out_new_bytes`` counts them)

@@ -91,6 +91,9 @@ class StorageAccounting:
         self.seg_peak = 0
         self.seg_cats: tuple[int, ...] = tuple(self.live)
         self.seg_start_total = 0  #: live bytes when the open stretch began
+        #: a forward op (outside the optimizer) ran in the open stretch: the first backward op after it ends the
+        #: stretch as a forward one (sacplan.collector.tracker)
+        self.seg_fw_ops = False
         self.step_peak = 0
         self.step_peak_cats: tuple[int, ...] = tuple(self.live)
         self.step_peak_where: tuple[str, str] = (Phase.FW, "")
@@ -261,6 +264,7 @@ class StorageAccounting:
         self.seg_peak = self.total
         self.seg_cats = tuple(self.live)
         self.seg_start_total = self.total
+        self.seg_fw_ops = False
 
     def segment_is_empty(self) -> bool:
         """Whether the open stretch has seen no change of the live bytes (nothing allocated, freed or pending)."""

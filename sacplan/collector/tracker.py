@@ -34,6 +34,7 @@ from sacplan.collector.storage import storages_of
 from sacplan.collector.workspace import WORKSPACE_OPS, workspace_bytes
 from sacplan.devices import DeviceSpec
 from sacplan.opnames import draws_random_numbers, is_attention_op
+from sacplan.stats import Phase
 
 try:  # torch >= 2.4
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _SAC_IGNORED
@@ -135,6 +136,14 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         new_bytes = 0
         out_sids = []
         in_bw = torch._C._current_graph_task_id() != -1
+        if in_bw and self.seg_fw_ops:
+            # The backward's first op after forward ops outside the modules' hooks (a train_step's loss, which the
+            # built-in step closes itself): the stretch before it is forward. Under autocast it ends inside the
+            # context, whose weight cache still holds the parameter casts (sacplan.collector.autocast): the
+            # memory model keeps them at forward events only.
+            self.close_segment(Phase.FW)
+        elif self.recording and not in_bw and not self.in_optimizer:
+            self.seg_fw_ops = True
         category = TEMP if (in_bw or self.in_optimizer) else ACT
         accumulated = self._in_place_on_real(func, args, kwargs, out, in_bw)
         fresh = 0

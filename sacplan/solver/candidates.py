@@ -37,6 +37,15 @@ class Candidate:
     overhead_bytes: tuple[float, ...] = ()
     #: smallest discard ratio at which no call keeps more than it frees (``r >= min_ratio`` when checkpointed)
     min_ratio: float = 0.0
+    #: per call, bytes of its discard that autocast's weight cache holds until autocast exits
+    #: (:attr:`~sacplan.stats.ModuleStats.cache_held`): kept at the forward events only (empty: none)
+    cache_held_bytes: tuple[float, ...] = ()
+
+    def fw_overhead(self, call: int) -> float:
+        """Bytes call ``call`` keeps at the forward events after its forward when checkpointed: its overhead plus
+        the cached parameter casts its discard cannot free before autocast exits."""
+        ch = self.cache_held_bytes
+        return self.overhead_bytes[call] + (ch[call] if call < len(ch) else 0.0)
 
     def fraction(self, r: float, y: float = 1.0) -> float:
         """Recompute fraction of one call by the lines: ``max(0, max_s(slope_s·r + intercept_s·y))``."""
@@ -74,7 +83,7 @@ def select_candidates(
             )
         env = envelope(t.slopes, t.intercepts)
         act = _act_per_call(n.stats, calls)
-        over, min_ratio = overheads[ni]
+        over, cached, min_ratio = overheads[ni]
         out.append(
             Candidate(
                 slot=s,
@@ -90,6 +99,7 @@ def select_candidates(
                 has_child=has_child[s],
                 overhead_bytes=over,
                 min_ratio=min_ratio,
+                cache_held_bytes=cached,
             )
         )
     return out, notes
@@ -97,9 +107,9 @@ def select_candidates(
 
 def _eligible(
     tree: ModuleTree, ac_units: Sequence[str] | None, fsdp_units: Sequence[str] | None, post_calls: dict[str, int],
-) -> tuple[list[int], dict[int, tuple[tuple[float, ...], float]], list[str]]:
-    """(node indices that may be checkpoint units in pre-order, their per-call overheads and minimum ratios, notes
-    on named ``ac_units`` that cannot be)."""
+) -> tuple[list[int], dict[int, tuple[tuple[float, ...], tuple[float, ...], float]], list[str]]:
+    """(node indices that may be checkpoint units in pre-order, their per-call overheads, cached casts and minimum
+    ratios, notes on named ``ac_units`` that cannot be)."""
     notes: list[str] = []
     named = None
     if ac_units is not None:
@@ -109,7 +119,7 @@ def _eligible(
         for a in tree.ancestors(f):  # ConfigError with suggestions if unknown
             blocked.add(a.index)
     chosen: list[int] = []
-    overheads: dict[int, tuple[tuple[float, ...], float]] = {}
+    overheads: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
     for n in tree.nodes:
         t = n.stats.tradeoff
         if named is not None and n.index not in named:
@@ -132,11 +142,11 @@ def _eligible(
             continue
         ck = float(checkpoint_state_bytes(tree.stats.device, n.stats.draws_random))
         overheads[n.index] = _overheads(n.stats, post_calls[n.fqn], ck)
-        if overheads[n.index][1] > 1.0:
+        if overheads[n.index][2] > 1.0:
             if named is not None:
                 notes.append(
                     f"ac unit {n.fqn!r} would keep more bytes checkpointed (inputs held until its backward, "
-                    "stashed RNG state) than it can discard, and is skipped"
+                    "stashed RNG state, parameter casts autocast caches) than it can discard, and is skipped"
                 )
             continue
         chosen.append(n.index)
@@ -159,19 +169,24 @@ def _nesting(tree: ModuleTree, chosen: list[int]) -> tuple[list[int], list[bool]
     return parents, has_child
 
 
-def _overheads(ms: ModuleStats, calls: int, ck_overhead: float) -> tuple[tuple[float, ...], float]:
+def _overheads(
+    ms: ModuleStats, calls: int, ck_overhead: float
+) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Per call, the bytes checkpointing keeps besides saved tensors (``ck_overhead``, the stashed RNG state of
-    :func:`~sacplan.devices.checkpoint_state_bytes`, plus :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), and
-    the smallest discard ratio at which every call frees at least that much: only ratios above it are offered,
-    which cuts off dominated choices only and keeps running sums of discards monotone (what lets
-    :mod:`sacplan.solver.formulation` drop dominated events)."""
-    held = ms.held_input_bytes
+    :func:`~sacplan.devices.checkpoint_state_bytes`, plus :attr:`~sacplan.stats.ModuleStats.held_input_bytes`), the
+    bytes of its discard autocast's cache keeps at the forward events (:attr:`~sacplan.stats.ModuleStats.cache_held`;
+    ``()`` when none), and the smallest discard ratio at which every call frees at least the larger of the two
+    overheads (the forward one): only ratios above it are offered, which cuts off dominated choices only and keeps
+    both running sums of discards monotone (what lets :mod:`sacplan.solver.formulation` drop dominated events)."""
+    held, ch = ms.held_input_bytes, ms.cache_held
     over = tuple(ck_overhead + float(held[c] if c < len(held) else 0) for c in range(calls))
+    cached = tuple(float(ch[c] if c < len(ch) else 0) for c in range(calls)) if any(ch) else ()
+    fw_over = [o + (cached[c] if cached else 0.0) for c, o in enumerate(over)]
     acts = _act_per_call(ms, calls)
     # a call that frees nothing but keeps overhead (a module called twice, one call keeping no activations)
     # has no useful ratio: infinity, so the module is skipped as keeping more than it frees
-    ratios = [(o / a if a > 0 else float("inf")) if o > 0 else 0.0 for a, o in zip(acts, over)]
-    return over, max(ratios, default=0.0)
+    ratios = [(o / a if a > 0 else float("inf")) if o > 0 else 0.0 for a, o in zip(acts, fw_over)]
+    return over, cached, max(ratios, default=0.0)
 
 
 def _act_per_call(ms: ModuleStats, calls: int) -> tuple[int, ...]:

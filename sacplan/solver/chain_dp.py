@@ -6,7 +6,10 @@ candidate ``s`` at level ``k`` contributes ``v_{s,k}[e] = C[e,s]·ρ_k - Y[e,s] 
 (:meth:`~sacplan.solver.problem.SacProblem.linear_terms`), at most events one of two numbers: **held**
 (``C[e,s] = A_s``, all its calls' activation bytes, and ``Y[e,s] = o_s``, its overhead: from the end of its
 forward to the start of its backward), contributing ``h_{s,k} = A_s·ρ_k - o_s``; **zero** (before its forward
-ends, after its backward); else **internal** (its backward, rc events, surge), at few. Let ``I_P`` be the events
+ends, after its backward); else **internal** (its backward, rc events, surge), at few. ``o_s`` is the forward
+overhead (``fw_over``): a candidate whose discard autocast's cache partly holds until the forward ends
+(:attr:`~sacplan.stats.ModuleStats.cache_held`) keeps less at backward events (``bw_over``), so there it is
+neither held nor zero: internal, evaluated exactly (tracked where siblings meet, or the DP gives up). Let ``I_P`` be the events
 where subtree ``P``'s candidates are neither all held nor all zero (``A_s = o_s = 0`` counts as both). Outside
 ``I_P`` a decision of ``P`` contributes one scalar (its held bytes, or 0), so ``P``'s front needs three numbers:
 cost ``q`` (ms, ↓), held bytes ``h`` (↑), requirement ``ρ = max_{e ∈ I_P} (need[e] - contribution of P at e)`` (↓):

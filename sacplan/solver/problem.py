@@ -69,7 +69,7 @@ class SacProblem:
     def _orders(self) -> None:
         slot_by_fqn = {c.fqn: c for c in self.candidates}
 
-        def positions(entries: Sequence[tuple[str, int]]) -> tuple[np.ndarray, ...]:
+        def positions(entries: Sequence[tuple[str, int]], forward: bool) -> tuple[np.ndarray, ...]:
             pos, slots, amts, over, kc = [], [], [], [], [0]
             for k, (f, c) in enumerate(entries):
                 cand = slot_by_fqn.get(f)
@@ -77,7 +77,8 @@ class SacProblem:
                     pos.append(k)
                     slots.append(cand.slot)
                     amts.append(float(cand.act_bytes[c]))
-                    over.append(float(cand.overhead_bytes[c]))  # one per call (select_candidates)
+                    # one per call (select_candidates); the forward's adds the casts autocast's cache holds
+                    over.append(float(cand.fw_overhead(c) if forward else cand.overhead_bytes[c]))
                     kc.append(kc[-1] + 1)
                 else:
                     kc.append(kc[-1])
@@ -86,9 +87,11 @@ class SacProblem:
 
         tl = self.timeline
         #: candidate entries of fw_post_order: position in the order, slot, bytes A_{i,c} and overhead o_{i,c}
-        #: (kept while checkpointed); kc_fw[k] = candidate entries among the first k
-        self.fw_pos, self.fw_slot, self.fw_amt, self.fw_over, self.kc_fw = positions(tl.fw_entries)
-        self.bw_pos, self.bw_slot, self.bw_amt, self.bw_over, self.kc_bw = positions(tl.bw_entries)
+        #: (kept while checkpointed); kc_fw[k] = candidate entries among the first k. The forward overhead adds
+        #: the call's parameter casts autocast's cache holds until the forward ends (Candidate.fw_overhead): its
+        #: discard frees them at the backward events only
+        self.fw_pos, self.fw_slot, self.fw_amt, self.fw_over, self.kc_fw = positions(tl.fw_entries, True)
+        self.bw_pos, self.bw_slot, self.bw_amt, self.bw_over, self.kc_bw = positions(tl.bw_entries, False)
 
     def _events(self) -> None:
         tl = self.timeline
@@ -291,7 +294,8 @@ class SacProblem:
         """Candidates with identical numbers (calls, bytes per call, recompute ms, trade-off lines), by slot."""
         groups: dict[tuple, list[int]] = {}
         for c in self.candidates:
-            key = (c.calls, c.act_bytes, c.max_discard_bytes, c.recompute_ms, c.slopes, c.intercepts, c.overhead_bytes)
+            key = (c.calls, c.act_bytes, c.max_discard_bytes, c.recompute_ms, c.slopes, c.intercepts, c.overhead_bytes,
+                   c.cache_held_bytes)
             groups.setdefault(key, []).append(c.slot)
         return sorted(groups.items(), key=lambda kv: kv[1][0])
 

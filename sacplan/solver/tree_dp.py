@@ -343,7 +343,7 @@ class TreeDp(WorkMeter):
             self.work_max = min(self.work_max, WIDE_WORK)
         self.neg, self.pos = self.bounds()
         self.N, self.Ptot = np.sum(self.neg, axis=0), np.sum(self.pos, axis=0)
-        self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N) + np.max(problem.ev_base)) + 1e-9
+        self.tol = TOL_REL * float(np.max(np.abs(self.need) + self.Ptot - self.N, initial=0.0) + np.max(problem.ev_base)) + 1e-9
         self.children, self.top = candidate_forest(problem)
         self.sig: dict[int, int] = {}
         self.sig_ids: dict[tuple, int] = {}

@@ -398,17 +398,16 @@ def test_autocast_tied_weight_recomputation_keeps_the_op_numbers() -> None:
     assert_exact(spec, 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a checkpointed module's saved weight cast stays in autocast's cache "
-                   "until the forward ends; the memory model frees it at the module's end (solver change needed)")
 def test_autocast_saved_weight_cast_held_until_the_forward_ends() -> None:
-    """CPU bf16 autocast, no body, the head checkpointed: the planned peak is +5.45% over (+7,170 B), at the loss.
+    """CPU bf16 autocast, no body, the head checkpointed: the planned peak was +5.45% over (+7,170 B), at the loss.
     The head saves its weight's bf16 copy (8 KiB; its input needs a gradient); checkpointing discards that copy for
     the backward, but autocast's cache holds it until the forward's autocast context exits, after the loss. The
-    timeline frees a call's discard at the call's forward end, at forward and backward events alike
-    (``fw_freed`` = ``bw_freed``); here the forward events must keep the cache's copies: ``fw_freed = A·r −
-    held``, ``bw_freed = A·r``, with ``held`` the discarded ops' outputs that the autocast cache holds. Both
-    consumers need it (sacplan/solver/problem.py's ``fw_amt``, sacplan/evaluate.py's ``event_peaks``), the
-    solver owned elsewhere: open, CPU autocast left out of fuzzmodels.CHECKED."""
+    timeline freed a call's discard at the call's forward end, at forward and backward events alike, and the loss
+    (run by the user's ``train_step``) was not even a forward event: its stretch ran on into the backward. Fixed:
+    the collector records per call the saved casts the cache holds (``ModuleStats.cache_held``) and ends a forward
+    stretch at the backward's first op (sacplan/collector/tracker.py); forward events keep them (``fw_freed = A·r
+    − kept − cache_held``), backward ones do not (sacplan/evaluate.py ``event_peaks``, sacplan/solver/problem.py
+    ``fw_over``)."""
     assert_exact(ModelSpec(dim=64, seq=32, precision="autocast"), 0.0)
 
 
