@@ -441,3 +441,31 @@ def test_compiled_blocks_inside_a_selective_region() -> None:
                      dim=128, batch=4, seq=32, seed=9283, loss="mse_loss", optimizer="adamw")
     msg = failures(spec, [check_compiled(spec, 0.26)])
     assert not msg, msg
+
+
+# ------------------------------------------------------------------------------------------ open (autocast)
+@pytest.mark.slow  # ~10 s
+@pytest.mark.xfail(strict=True, reason="open: under CPU bf16 autocast the allocator sees ~32 KiB more per "
+                   "checkpointed region than the tracker (the same plans in bf16 and fp32 are exact)")
+def test_autocast_recomputation_allocates_more_than_tracked() -> None:
+    """``benchmarks/fuzz.py --seeds 0:250 --full`` seed 249 at fraction 0.27: the planned peak is +2.63% under the
+    measured one (+2.65% before the forward-phase cached-cast term). sacplan's tracker on the real tensors agrees
+    with the prediction; only the CPU allocator sees the extra bytes, per checkpointed region, and only under
+    autocast: likely the recomputation under a fresh autocast context (sacplan/apply/autocast.py primes its cache)."""
+    spec = ModelSpec(layers=(
+        Layer("custom", act="gelu", dropout=0.25, heads=4, kv_heads=4),
+        Layer("list", children=(Layer("kwargs", act="silu", inplace=True, heads=4),)),
+        Layer("residual", children=(Layer("kwargs", act="silu", option=1, dropout=0.25, heads=4, kv_heads=2),
+                                    Layer("conv1d", act="gelu", heads=2, kv_heads=2))),
+        Layer("norm", inplace=True, option=1, dropout=0.25, heads=2),
+        Layer("inplace", act="gelu", option=2, heads=2)),
+        dim=128, batch=3, seq=64, vocab=128, kwargs_inputs=True, seed=62257, precision="autocast", optimizer="sgd")
+    assert_exact(spec, 0.27)
+
+
+@pytest.mark.xfail(strict=True, reason="open: under CPU bf16 autocast a checkpointed kwargs layer is over-predicted "
+                   "at its backward event (the safe direction, beyond the fuzzer's 1%)")
+def test_autocast_kwargs_layer_over_predicted_at_its_backward() -> None:
+    """Found while shrinking the autocast campaign: main gave +4.70% (under), the forward-phase cached-cast term
+    -4.13% (over), the excess at ``body``'s backward event, which that term does not set."""
+    assert_exact(ModelSpec(layers=(Layer("kwargs"),), dim=64, seq=32, precision="autocast"), 0.0)
