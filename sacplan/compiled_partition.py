@@ -21,6 +21,7 @@ byte for byte; ``benchmarks/RESULTS.md``). Seconds per distinct region: no kerne
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -116,6 +117,14 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _own_saves() -> Any:
+    """Identity saved-tensor hooks where an enclosing checkpoint's are active (none: nothing to do, the trace runs
+    as ``torch.compile`` runs it)."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+
+
 def trace_region(region: nn.Module, args: tuple, kwargs: dict) -> CompiledRegion:
     """``region`` compiled on fake ``args`` / ``kwargs`` (its forward and backward graphs; see the module docstring).
 
@@ -143,7 +152,7 @@ def trace_region(region: nn.Module, args: tuple, kwargs: dict) -> CompiledRegion
     a, k = _detached(args, kwargs)
     # A checkpoint around the region (a plan's, enclosing it) packs what the trace saves with its own hooks: the
     # trace's backward would then recompute the enclosing region. The trace keeps its saves itself.
-    with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+    with _own_saves():
         try:
             out = torch.compile(_fresh_frame(), backend=backend, fullgraph=True, dynamic=False)(region, a, k)
         except UnsupportedModelError:
