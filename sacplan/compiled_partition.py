@@ -21,6 +21,7 @@ byte for byte; ``benchmarks/RESULTS.md``). Seconds per distinct region: no kerne
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -111,6 +112,19 @@ def _detached(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map(cut, (args, kwargs))
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A saved tensor packed and unpacked as itself (no enclosing checkpoint's hooks)."""
+    return t
+
+
+def _own_saves() -> Any:
+    """Identity saved-tensor hooks where an enclosing checkpoint's are active (none: nothing to do, the trace runs
+    as ``torch.compile`` runs it)."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+
+
 def trace_region(region: nn.Module, args: tuple, kwargs: dict) -> CompiledRegion:
     """``region`` compiled on fake ``args`` / ``kwargs`` (its forward and backward graphs; see the module docstring).
 
@@ -136,17 +150,20 @@ def trace_region(region: nn.Module, args: tuple, kwargs: dict) -> CompiledRegion
         return run
 
     a, k = _detached(args, kwargs)
-    try:
-        out = torch.compile(_fresh_frame(), backend=backend, fullgraph=True, dynamic=False)(region, a, k)
-    except UnsupportedModelError:
-        raise
-    except Exception as e:  # Dynamo's and Inductor's errors: the region cannot be predicted this way
-        raise UnsupportedModelError(f"the compiled region could not be traced on fake tensors: "
-                                    f"{type(e).__name__}: {str(e)[:300]}") from e
-    leaves, spec = pytree.tree_flatten(out)
-    needs_grad = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    if needs_grad:  # compiles the backward graph now (AOTAutograd compiles it at the first backward)
-        torch.autograd.backward(needs_grad, [torch.ones_like(t) for t in needs_grad])
+    # A checkpoint around the region (a plan's, enclosing it) packs what the trace saves with its own hooks: the
+    # trace's backward would then recompute the enclosing region. The trace keeps its saves itself.
+    with _own_saves():
+        try:
+            out = torch.compile(_fresh_frame(), backend=backend, fullgraph=True, dynamic=False)(region, a, k)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # Dynamo's and Inductor's errors: the region cannot be predicted this way
+            raise UnsupportedModelError(f"the compiled region could not be traced on fake tensors: "
+                                        f"{type(e).__name__}: {str(e)[:300]}") from e
+        leaves, spec = pytree.tree_flatten(out)
+        needs_grad = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needs_grad:  # compiles the backward graph now (AOTAutograd compiles it at the first backward)
+            torch.autograd.backward(needs_grad, [torch.ones_like(t) for t in needs_grad])
     graph_out = list(seen.get("out", ()))
     outputs = []
     for leaf in leaves:

@@ -16,8 +16,9 @@ import sacplan
 import sacplan.evaluate
 from sacplan.alternatives import plan_from_choices
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
-from sacplan.compiled_saves import with_compiled_saves
+from sacplan.compiled_saves import enclosed_positions, with_compiled_saves
 from sacplan.compiling import compile_model
+from sacplan.stats import OpStat
 
 
 class Block(nn.Module):
@@ -103,7 +104,8 @@ def test_compiled_saves_count_the_normalized_input_of_a_saved_layer_norm():
     assert cost(out, "0") == 2 * cost(stats, "0") > 0  # on the model's input, kept anyway
     assert cost(out, "1") == cost(stats, "1")  # replaces block 1's input
     assert cost(out, "2") == cost(stats, "2")  # not compiled
-    assert all(a.ops == b.ops for a, b in zip(stats.modules, out.modules) if not a.fqn.startswith(("0", "1")))
+    # the model encloses the compiled blocks (their ops always saved there), block 2 neither is one nor encloses one
+    assert all(a.ops == b.ops for a, b in zip(stats.modules, out.modules) if a.fqn.startswith("2"))
 
 
 def test_compiled_saves_keep_weight_copies_and_batch_norms():
@@ -117,6 +119,62 @@ def test_compiled_saves_keep_weight_copies_and_batch_norms():
     assert forced.count("aten.convolution.default") == 2  # the batch norms' inputs
     full = sacplan.evaluate.module_outcome(stats.module("1"), None)
     assert full.saved_keys >= {(o.name, 0) for o in ops if -1 in o.tied_to}
+
+
+class GeluBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+class GeluStack(nn.Module):
+    """Two blocks with an op of its own between them (a sigmoid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b0, self.b1 = GeluBlock(), GeluBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b1(torch.sigmoid(self.b0(x)))
+
+
+def test_a_module_enclosing_compiled_regions_always_saves_their_ops():
+    """A checkpoint around compiled blocks discards nothing of theirs in the bound (sacplan/compiled_saves.py).
+    On (4, 16) fp32 activations (256 B each): the stack "1" runs t, addmm, gelu (b0), its own sigmoid, then t,
+    addmm, gelu (b1): every op but the sigmoid (position 3) ran in a compiled block. Its act_bytes, 768 B (b0's
+    addmm output, which gelu saves; the sigmoid output, which sigmoid and b1's linear save; b1's addmm output),
+    lose the blocks' save costs: 256 + 256 (b0's addmm and gelu) + 256 (b1's addmm) + 0 (b1's gelu is the stack's
+    output) = 768 B, so fully checkpointing the stack frees nothing; the blocks themselves are unchanged."""
+    stats = sacplan.collect(lambda: nn.Sequential(nn.Linear(16, 16), GeluStack(), nn.Linear(16, 1)),
+                            (torch.randn(4, 16),), device="cpu", optimizer=False)
+    assert stats.module("1").act_bytes == (768,)
+    assert [o.save_cost_bytes for o in stats.module("1").ops] == [0, 256, 256, 256, 0, 256, 0]
+    out = with_compiled_saves(stats, ["1.b0", "1.b1"])
+    stack = out.module("1")
+    assert [p for p, o in enumerate(stack.ops) if -1 in o.tied_to] == [0, 1, 2, 4, 5, 6]
+    assert stack.act_bytes == (0,)
+    assert sacplan.evaluate.module_outcome(stack, None).discard_bytes == (0,)
+    for fqn in ("1.b0", "1.b1", "0", "2"):
+        assert out.module(fqn) == stats.module(fqn)
+
+
+def test_enclosed_positions_takes_each_run_in_order():
+    """Runs of an enclosed module's op sequence are found in order, the longest sequence first; ops that match
+    none (an own op, a partial run) stay free."""
+    def op(i: int, name: str, nbytes: int = 256) -> OpStat:
+        return OpStat(index=i, name=name, occurrence=0, out_bytes=nbytes, runtime_ms=0.0, flops=0)
+
+    mm, relu, add = "aten.mm.default", "aten.relu.default", "aten.add.Tensor"
+    block = (op(0, mm), op(1, relu))
+    longer = (op(0, mm), op(1, relu), op(2, add))
+    ops = tuple(op(i, n) for i, n in enumerate([add, mm, relu, add, mm, relu, mm, mm]))
+    assert enclosed_positions(ops, [block]) == {1, 2, 4, 5}
+    assert enclosed_positions(ops, [block, longer]) == {1, 2, 3, 4, 5}
+    assert enclosed_positions(ops, [(op(0, mm, 512), op(1, relu))]) == set()  # other sizes: not that module
+    assert enclosed_positions(ops, []) == set()
 
 
 def test_compile_model_compiles_pytorchs_own_blocks():
