@@ -126,14 +126,27 @@ def test_time_limit_stops_a_hopeless_milp():
         assert res.x is None or res.gap >= 0
 
 
+def _interrupt_once_highs_runs(stop: threading.Event) -> None:
+    """Ctrl-C (``interrupt_main``) 0.3 s after highspy's solver thread started: a fixed timer could land, on a
+    loaded host, while the model is still being built, in C code that may take the pending interrupt for itself."""
+    while not stop.is_set():
+        if any("__solve" in repr(getattr(t, "_target", None)) for t in threading.enumerate()):
+            if not stop.wait(0.3):
+                _thread.interrupt_main()
+            return
+        stop.wait(0.02)
+
+
 def test_ctrl_c_stops_highs_and_raises_keyboard_interrupt():
-    timer = threading.Timer(0.5, _thread.interrupt_main)
-    timer.start()
+    stop = threading.Event()
+    firing = threading.Thread(target=_interrupt_once_highs_runs, args=(stop,), daemon=True)
+    firing.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             solve_model(_market_split(), "highs", time_limit_s=60.0)
     finally:
-        timer.cancel()
+        stop.set()
+        firing.join()
 
 
 def test_deadline_caps_a_solve_model_limit():
