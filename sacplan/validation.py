@@ -553,11 +553,12 @@ def _compiled_peaks(build: Callable[[], nn.Module], raw_inputs: Inputs, plan: An
             continue
         try:
             peaks[name] = compiled_step(build, raw_inputs, regions, p, **fake_kw).peak_bytes
-        except Exception as e:  # a region Dynamo or Inductor cannot compile on fakes: the bound still holds
+        except Exception as e:  # a region Dynamo or Inductor cannot compile on fakes: the eager-based estimate
             which = "with" if p is not None else "without"
             warnings.warn(f"compiled regions could not be traced for the prediction {which} the plan "
                           f"({type(e).__name__}: {str(e)[:200]}); predicting that step from the eager step "
-                          "(an upper bound)", stacklevel=4)
+                          "(an estimate: above the compiled step except for Inductor's own scratch buffers, which it "
+                          "cannot see; keep a little headroom)", stacklevel=4)
     return dataclasses.replace(bound, **peaks)
 
 
