@@ -72,7 +72,7 @@ def logged_step(model: torch.nn.Module, args: Any, loss_fn: Any, opt: Any) -> tu
     from sacplan.collector.tracker import StepRecorder
     from sacplan.devices import CPU, DeviceSpec
     from sacplan.stats import Phase
-    from sacplan.validation import register_state
+    from sacplan.measurement import register_state
 
     spec = DeviceSpec.from_current_cuda() if CUDA else CPU
     rec = StepRecorder(model, spec, RuntimeModel(spec))

@@ -272,7 +272,7 @@ _FW_END = "sacplan::forward_end"
 
 def _profiled(fn: Callable[[], None], live_at_start: int) -> tuple[int, int]:
     """(peak bytes, bytes allocated and not freed by the end of the forward) of ``fn`` from the profiler's
-    CPU allocator events (the method of :func:`sacplan.validation._cpu_profiled_peak`)."""
+    CPU allocator events (the method of :func:`sacplan.measurement.measure_step`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from sacplan.collector.workspace import quiet_profiler_logs
@@ -332,7 +332,7 @@ def measure(
       of one more step, an independent cross-check of the profiler's peak.
     """
     from sacplan.apply import apply_plan
-    from sacplan.validation import live_bytes, state_tensors
+    from sacplan.measurement import live_bytes, state_tensors
 
     def build() -> nn.Module:
         torch.manual_seed(seed)
@@ -380,7 +380,7 @@ def measure(
         step_ms = (time.perf_counter() - t0) * 1e3
         tracker_peak = None
         if track and compile_budget is None:
-            from sacplan.validation import tracker_step_peak
+            from sacplan.measurement import tracker_step_peak
 
             tracker_peak = int(tracker_step_peak(model, args, step, None))
         state_keys = {_storage_key(t) for t in state_tensors(model, None, args)}

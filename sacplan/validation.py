@@ -24,12 +24,12 @@ import gc
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from sacplan.apply import apply_plan, remove_plan
@@ -39,7 +39,6 @@ from sacplan.collector.calling import Inputs, as_inputs, as_loss, call_model
 from sacplan.collector.hf import training_without_cache
 from sacplan.collector.runtime import flop_mapping
 from sacplan.collector.step import TrainStep
-from sacplan.collector.workspace import profiled_cpu_peak
 from sacplan.compiled_partition import compiled_step
 from sacplan.compiled_layout import layout_optimized, region_convolutions, replay_layout
 from sacplan.compiled_saves import with_compiled_saves
@@ -47,9 +46,9 @@ from sacplan.compiling import compile_choice, compile_model
 from sacplan.devices import CPU, DeviceSpec
 from sacplan.errors import ConfigError, PlanMismatchError
 from sacplan.evaluate import Choice, predict
-from sacplan.stats import Phase
+from sacplan.measurement import live_bytes, measure_step, register_state, state_tensors, tracker_step_peak
 from sacplan.tree import ModuleTree
-from sacplan.units import fmt_bytes
+from sacplan.validation_report import Measurement, ValidationReport
 
 __all__ = [
     "Measurement",
@@ -64,126 +63,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Measurement:
-    """One real training step.
-
-    Attributes:
-        peak_bytes: peak bytes during the step (see ``method``).
-        tracker_peak_bytes: sacplan's tracker on the real tensors (CPU cross-check; ``None`` on CUDA).
-        step_ms: median wall (CPU) or CUDA-event (GPU) time of the timed steps after warm-up, ms (without
-            the profiler that measures the peak).
-        flops: FLOPs of one forward+backward (``FlopCounterMode`` with sacplan's extra formulas); ``None`` for a
-            compiled step (a dispatch mode would make it run eagerly).
-        method: how ``peak_bytes`` was measured.
-    """
-
-    peak_bytes: int
-    tracker_peak_bytes: int | None
-    step_ms: float
-    flops: int | None
-    method: str
-
-
-@dataclass(frozen=True)
-class ValidationReport:
-    """Side-by-side numbers of :func:`validate` (bytes, ms, FLOPs)."""
-
-    host: str
-    method: str
-    baseline: Measurement
-    planned: Measurement
-    predicted_baseline_peak_bytes: int
-    predicted_peak_bytes: int
-    predicted_recompute_flops: int
-    predicted_recompute_ms: float
-    plan_predicted_peak_bytes: int | None
-    grads_bitwise_equal: bool
-    max_grad_abs_diff: float
-    grads_match: bool
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    plan_device_name: str = ""
-    timed_steps: int = 1
-    compiled: str = ""
-    grads_compared: bool = True
-    predicted_baseline_step_ms: float | None = None
-    kernel_noise: float = 0.0
-    #: host ms the plan's selective regions add (:mod:`sacplan.sacmode`), part of :attr:`predicted_step_ms`
-    predicted_dispatch_ms: float = 0.0
-
-    @property
-    def predicted_step_ms(self) -> float | None:
-        """Estimated step time with the plan: the no-plan estimate plus the plan's recompute ms and its selective
-        regions' dispatch (``None`` on CPU, whose wall time is not compared with an estimate)."""
-        if self.predicted_baseline_step_ms is None:
-            return None
-        return self.predicted_baseline_step_ms + self.predicted_recompute_ms + self.predicted_dispatch_ms
-
-    @property
-    def measured_recompute_flops(self) -> int | None:
-        """Planned minus baseline FLOPs (``None`` for compiled steps, whose FLOPs are not counted)."""
-        if self.planned.flops is None or self.baseline.flops is None:
-            return None
-        return self.planned.flops - self.baseline.flops
-
-    @property
-    def peak_error(self) -> float:
-        """(measured − predicted) / measured for the planned step."""
-        return (self.planned.peak_bytes - self.predicted_peak_bytes) / max(1, self.planned.peak_bytes)
-
-    @property
-    def baseline_peak_error(self) -> float:
-        return (self.baseline.peak_bytes - self.predicted_baseline_peak_bytes) / max(1, self.baseline.peak_bytes)
-
-    def summary(self) -> str:
-        timed = f" (median of {self.timed_steps} after warm-up)" if self.timed_steps > 1 else ""
-        rows = [
-            ("", f"predicted for this host ({self.host})", "measured", "error"),
-            ("peak, no plan", fmt_bytes(self.predicted_baseline_peak_bytes), fmt_bytes(self.baseline.peak_bytes), f"{self.baseline_peak_error:+.2%}"),
-            ("peak, with plan", fmt_bytes(self.predicted_peak_bytes), fmt_bytes(self.planned.peak_bytes), f"{self.peak_error:+.2%}"),
-            self._flops_row(),
-            self._step_row(f"step ms, no plan{timed}", self.predicted_baseline_step_ms, self.baseline.step_ms),
-            self._step_row(f"step ms, with plan{timed}", self.predicted_step_ms, self.planned.step_ms),
-        ]
-        w = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"validation on {self.host} ({self.method})" + (f", compiled: {self.compiled}" if self.compiled else "")]
-        lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
-        noise = f" (the same step run twice without the plan differs by {self.kernel_noise:.3g}: nondeterministic kernels)" if self.kernel_noise else ""
-        lines.append(
-            "gradients: " + ("bitwise equal" if self.grads_bitwise_equal else f"max |diff| {self.max_grad_abs_diff:.3g}{noise}")
-            + ("" if self.grads_match else "  (MISMATCH)" if self.grads_compared else
-               "  (not compared: the step draws random numbers, and compiled graphs with and without the plan draw "
-               "different ones)")
-        )
-        if self.baseline.tracker_peak_bytes is not None:
-            lines.append(
-                f"tracker on real tensors: no plan {fmt_bytes(self.baseline.tracker_peak_bytes)}, "
-                f"with plan {fmt_bytes(self.planned.tracker_peak_bytes or 0)}"
-            )
-        if self.plan_predicted_peak_bytes is not None:
-            same = self.plan_predicted_peak_bytes == self.predicted_peak_bytes and not self.compiled
-            lines.append(
-                f"the plan's own prediction, for its target {self.plan_device_name or '(unknown)'}: peak "
-                f"{fmt_bytes(self.plan_predicted_peak_bytes)} " + ("(the same as re-predicted above for this host)"
-                if same else "(re-predicted above for this host and step, whose sizes, kernels or dtype may differ, "
-                "so it can be measured here)")
-            )
-        lines += list(self.notes)
-        return "\n".join(lines)
-
-    @staticmethod
-    def _step_row(label: str, pred: float | None, meas: float) -> tuple[str, str, str, str]:
-        if pred is None:
-            return (label, "", f"{meas:.2f}", "")
-        return (label, f"{pred:.2f}", f"{meas:.2f}", f"{(meas - pred) / max(meas, 1e-9):+.2%}")
-
-    def _flops_row(self) -> tuple[str, str, str, str]:
-        pred, meas = self.predicted_recompute_flops, self.measured_recompute_flops
-        if meas is None:
-            return ("recomputed GFLOP", f"{pred / 1e9:.4f}", "not counted", "(compiled)")
-        return ("recomputed GFLOP", f"{pred / 1e9:.4f}", f"{meas / 1e9:.4f}", "exact" if pred == meas else f"{meas - pred:+d}")
-
-
 def plan_choices(plan: Any) -> dict[str, Choice]:
     """The plan's decisions as :func:`sacplan.evaluate.predict` choices."""
     from sacplan.opnames import saved_op_keys
@@ -192,104 +71,6 @@ def plan_choices(plan: Any) -> dict[str, Choice]:
     for d in plan.decisions:
         out[d.fqn] = None if d.saved_ops is None else saved_op_keys(d.saved_ops)
     return out
-
-
-# ------------------------------------------------------------------------------------------ measuring
-def live_bytes(objs: Iterable[Any]) -> int:
-    """Bytes of the distinct non-empty storages behind the tensors in ``objs`` (non-tensors are skipped)."""
-    seen: set[int] = set()
-    total = 0
-    for t in objs:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen and st.nbytes() > 0:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
-
-
-def state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> list[torch.Tensor]:
-    """The tensors live across a step: parameters, buffers, gradients, optimizer state and the inputs."""
-    ts: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
-    ts += [p.grad for p in model.parameters() if p.grad is not None]
-    if opt is not None:
-        for s in opt.state.values():
-            ts += [v for v in s.values() if isinstance(v, torch.Tensor)]
-    ts += [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-    return ts
-
-
-def _cpu_profiled_peak(fn: Callable[[], None], live_at_start: int) -> int:
-    """Peak bytes of ``fn()`` on CPU: bytes live at its start plus the allocator events' running peak."""
-    return live_at_start + profiled_cpu_peak(fn)
-
-
-def measure_step(
-    model: nn.Module,
-    args: Inputs,
-    step: Callable[[], None],
-    opt: torch.optim.Optimizer | None,
-    device: torch.device,
-    *,
-    track: bool = True,
-) -> tuple[int, int | None, float]:
-    """Peak bytes (and the tracker's peak on CPU) and time of one call of ``step``."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated()), None, float(start.elapsed_time(end))
-    live = live_bytes(state_tensors(model, opt, args))
-    t0 = time.perf_counter()
-    peak = _cpu_profiled_peak(step, live)
-    ms = (time.perf_counter() - t0) * 1e3
-    tracker = None
-    if track:
-        tracker = tracker_step_peak(model, args, step, opt)
-    return peak, tracker, ms
-
-
-def tracker_step_peak(model: nn.Module, args: Inputs, step: Callable[[], None], opt: torch.optim.Optimizer | None) -> int:
-    """Peak bytes of one call of ``step`` by sacplan's own tracker on the real (CPU) tensors.
-
-    An independent cross-check of the profiler's peak: the state (parameters, buffers, gradients,
-    optimizer state, inputs) is registered first, so the peak includes it.
-    """
-    from sacplan.collector.records import GRAD
-    from sacplan.collector.runtime import RuntimeModel
-    from sacplan.collector.tracker import StepRecorder
-
-    rec = StepRecorder(model, CPU, RuntimeModel(CPU))
-    handles = [p.register_post_accumulate_grad_hook(lambda p: rec.relabel(p.grad, GRAD)) for p in model.parameters() if p.requires_grad]
-    try:
-        with rec:
-            register_state(rec, model, opt, args)
-            step()
-            rec.close_segment(Phase.OTHER)
-    finally:
-        for h in handles:
-            h.remove()
-    return rec.step_peak
-
-
-def register_state(rec: Any, model: nn.Module, opt: torch.optim.Optimizer | None, args: Inputs) -> None:
-    """Register the step's live state with a recorder entered on real tensors (parameters, buffers, gradients,
-    optimizer state, inputs), close the segment before the step and start recording."""
-    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
-
-    rec.register(list(model.parameters()), PARAM)
-    rec.register(list(model.buffers()), BUFFER)
-    rec.register([p.grad for p in model.parameters() if p.grad is not None], GRAD)
-    if opt is not None:
-        for s in opt.state.values():
-            rec.register([v for v in s.values() if isinstance(v, torch.Tensor)], OPT)
-    rec.register(args, INPUT)
-    rec.close_segment()
-    rec.recording = True
 
 
 def _rerun_difference(model: nn.Module, args: Inputs, loss: Callable[[Any, Inputs], torch.Tensor], seed: int,

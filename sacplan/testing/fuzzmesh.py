@@ -281,7 +281,7 @@ def _peak(model: nn.Module, opt: torch.optim.Optimizer | None, step: Callable[[]
     from sacplan.collector.runtime import RuntimeModel
     from sacplan.collector.tracker import StepRecorder
     from sacplan.devices import CPU
-    from sacplan.validation import register_state
+    from sacplan.measurement import register_state
 
     rec = StepRecorder(model, CPU, RuntimeModel(CPU))
     get_state = torch.get_rng_state

@@ -15,7 +15,7 @@ from torch import nn
 
 from sacplan.collector import collect
 from sacplan.devices import CPU
-from sacplan.validation import measure_step
+from sacplan.measurement import measure_step
 
 B, D, L, N = 2, 32, 16, 64  # dA: B*D*L*N fp32 = 256 KiB; one slice B*D*N = 16 KiB
 BIG = B * D * L * N * 4

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sacplan.collector import collect
 from sacplan.collector.inplaceviews import InplaceViewBackwards
 from sacplan.devices import CPU
-from sacplan.validation import measure_step
+from sacplan.measurement import measure_step
 
 aten = torch.ops.aten
 B, L, D = 4, 32, 128  # one (B, L, D) fp32 activation: 64 KiB

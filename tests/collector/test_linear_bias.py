@@ -18,7 +18,7 @@ from torch import nn
 
 from sacplan.collector import collect
 from sacplan.devices import CPU
-from sacplan.validation import measure_step
+from sacplan.measurement import measure_step
 
 B, S, D = 4, 64, 64
 ACT = B * S * D * 4  # one (B, S, D) fp32 activation: 64 KiB

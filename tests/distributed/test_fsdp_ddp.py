@@ -76,7 +76,7 @@ def _measure(rank: int, ws: int, mode: str, order: str, plan_dict: dict, tmp: st
     from sacplan.devices import CPU
     from sacplan.models import get_model
     from sacplan.plan import Plan
-    from sacplan.validation import live_bytes
+    from sacplan.measurement import live_bytes
 
     plan = Plan.from_dict(plan_dict)
     t_start = time.perf_counter()
