@@ -171,19 +171,25 @@ def _label(d: Any) -> str:
     return d.fqn if d.saved_ops is None else f"{d.fqn}[{', '.join(map(str, d.saved_ops))}]"
 
 
-def check_spec(spec: ModelSpec, fractions: tuple[float, ...] = (0.0, 0.5)) -> list[BudgetCheck]:
-    """Collect, solve at each budget fraction and check every plan (see the module docstring).
-
-    Raises:
-        InvalidModel: the unplanned model's own step fails.
-    """
+def _planning_tree(spec: ModelSpec) -> tuple[ModuleTree, int, int]:
+    """The model's own unplanned step first (:class:`InvalidModel` when it fails), then its tree collected on fakes
+    for the CPU spec, with the minimum feasible budget and the no-checkpointing peak (bytes)."""
     try:
         _step(_built(spec)[0], spec, 0, None)
     except RuntimeError as e:
         raise InvalidModel(str(e)) from e
     stats = collect(lambda: build_model(spec), make_inputs(spec), device=CPU, **step_arguments(spec))
     tree = ModuleTree(stats)
-    lo, hi = int(min_feasible_budget(tree)), int(stats.peak_bytes)
+    return tree, int(min_feasible_budget(tree)), int(stats.peak_bytes)
+
+
+def check_spec(spec: ModelSpec, fractions: tuple[float, ...] = (0.0, 0.5)) -> list[BudgetCheck]:
+    """Collect, solve at each budget fraction and check every plan (see the module docstring).
+
+    Raises:
+        InvalidModel: the unplanned model's own step fails.
+    """
+    tree, lo, hi = _planning_tree(spec)
     checks = []
     for f in dict.fromkeys(fractions):
         budget = lo + round(f * (hi - lo))
@@ -207,13 +213,7 @@ def check_compiled(spec: ModelSpec, fraction: float) -> BudgetCheck:
     """
     import warnings
 
-    try:
-        _step(_built(spec)[0], spec, 0, None)
-    except RuntimeError as e:
-        raise InvalidModel(str(e)) from e
-    stats = collect(lambda: build_model(spec), make_inputs(spec), device=CPU, **step_arguments(spec))
-    tree = ModuleTree(stats)
-    lo, hi = int(min_feasible_budget(tree)), int(stats.peak_bytes)
+    tree, lo, hi = _planning_tree(spec)
     budget = lo + round(fraction * (hi - lo))
     plan = solve(tree, Bytes(budget))
     rtol, atol = COMPILED_GRAD_TOLERANCE[spec.precision]
@@ -226,7 +226,7 @@ def check_compiled(spec: ModelSpec, fraction: float) -> BudgetCheck:
             rep = validate(lambda: build_model(spec), lambda: make_inputs(spec), plan, device="cpu", seed=spec.seed,
                            timed_steps=0, compile=True, grad_rtol=rtol, grad_atol=atol, **step_arguments(spec))
         except Exception as e:
-            _unplanned_compiled_step(spec, stats)  # InvalidModel where torch cannot compile the model itself
+            _unplanned_compiled_step(spec, tree.stats)  # InvalidModel where torch cannot compile the model itself
             raise e
     bound = any("could not be traced" in str(w.message) for w in caught)
     out = []
