@@ -4,8 +4,9 @@ bytes live at the step's start (:func:`live_bytes` of :func:`state_tensors`) plu
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from sacplan.collector.workspace import profiled_cpu_peak
 from sacplan.devices import CPU
 from sacplan.stats import Phase
 
-__all__ = ["live_bytes", "measure_step", "register_state", "state_tensors", "tracker_step_peak"]
+__all__ = ["live_bytes", "measure_step", "register_state", "rng_states_registered", "state_tensors", "tracker_step_peak"]
 
 
 def live_bytes(objs: Iterable[Any]) -> int:
@@ -114,3 +115,24 @@ def register_state(rec: Any, model: nn.Module, opt: torch.optim.Optimizer | None
     rec.register(args, INPUT)
     rec.close_segment()
     rec.recording = True
+
+
+@contextlib.contextmanager
+def rng_states_registered(rec: Any) -> Iterator[None]:
+    """Inside, every ``torch.get_rng_state()`` result is registered with the recorder ``rec`` as it is made: the CPU
+    RNG state ``torch.utils.checkpoint`` stashes per region is made outside the dispatcher, and lives while the
+    checkpoint holds it."""
+    from sacplan.collector.records import OTHER
+
+    get_state = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        t = get_state()
+        rec.register(t, OTHER)
+        return t
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = get_state

@@ -59,11 +59,12 @@ def measure_rank(
     applied, and ``io`` (:func:`~sacplan.pipeline.mesh.boundaries`, computed before the process group starts)
     gives the parallelized stage boundaries.
     """
-    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, OTHER, PARAM
+    from sacplan.collector.records import BUFFER, GRAD, INPUT, OPT, PARAM
     from sacplan.collector.runtime import RuntimeModel
     from sacplan.collector.tracker import StepRecorder
     from sacplan.collector.workspace import profiled_cpu_peak
     from sacplan.devices import CPU
+    from sacplan.measurement import rng_states_registered
     from sacplan.stats import Phase
 
     key = schedule_key(schedule)
@@ -90,16 +91,8 @@ def measure_rank(
     hooks = [p.register_post_accumulate_grad_hook(lambda p: rec.relabel(p.grad, GRAD)) for p in params]
     hooks.append(opt.register_step_post_hook(
         lambda o, a, k: [rec.relabel([v for v in s.values() if isinstance(v, torch.Tensor)], OPT) for s in o.state.values()]))
-    get_state = torch.get_rng_state
-
-    def get_rng_state() -> torch.Tensor:  # made outside the dispatcher: register it (it lives while checkpoint holds it)
-        t = get_state()
-        rec.register(t, OTHER)
-        return t
-
-    torch.get_rng_state = get_rng_state
     try:
-        with rec:
+        with rng_states_registered(rec), rec:
             rec.register(list(model.parameters()), PARAM)
             rec.register(list(model.buffers()), BUFFER)
             rec.register([t for t in (*first_in, tgt) if isinstance(t, torch.Tensor)], INPUT)
@@ -114,7 +107,6 @@ def measure_rank(
             rec.close_segment(Phase.OTHER)
             rec.recording = False
     finally:
-        torch.get_rng_state = get_state
         for h in hooks:
             h.remove()
     return dict(rank=rank, stages=list(held), peak_bytes=int(rec.step_peak), where=list(rec.step_peak_where),

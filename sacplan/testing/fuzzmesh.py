@@ -34,19 +34,18 @@ import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from sacplan.collector.calling import as_inputs, call_model
-from sacplan.testing.fuzzmodels import CHECKED, Grammar, ModelSpec, Picker, draw_spec
+from sacplan.testing.fuzzmodels import CHECKED, Grammar, ModelSpec, Picker, draw_spec, hypothesis_picker
 from sacplan.testing.fuzzmodules import build_model, loss_fn, make_inputs
 
 __all__ = ["MESH_GRAMMAR", "POLICIES", "WORLD_SIZE", "PEAK_TOLERANCE", "MeshCase", "MeshPrediction", "RankResult",
            "InvalidMeshModel", "case_strategy", "check_case", "compute_dtype_step", "draw_case", "measure", "mesh_failures", "mp_policy", "predict", "rank_inputs", "shard_model"]
 
-T = TypeVar("T")
 
 #: Ranks of the data-parallel mesh ``{"dp_shard": 2}``.
 WORLD_SIZE = 2
@@ -111,14 +110,7 @@ def case_strategy(grammar: Grammar = MESH_GRAMMAR) -> Any:
 
     @st.composite
     def cases(draw: Callable[[Any], Any]) -> MeshCase:
-        class _Pick:
-            def integer(self, lo: int, hi: int) -> int:
-                return draw(st.integers(lo, hi))
-
-            def choice(self, options: Sequence[T]) -> T:
-                return draw(st.sampled_from(options))
-
-        return draw_case(_Pick(), grammar)
+        return draw_case(hypothesis_picker(draw), grammar)
 
     return cases()
 
@@ -277,28 +269,16 @@ def _one_step(model: nn.Module, opt: torch.optim.Optimizer | None, spec: ModelSp
 def _peak(model: nn.Module, opt: torch.optim.Optimizer | None, step: Callable[[], None], args: Any) -> tuple[int, tuple]:
     """StepRecorder peak of ``step()`` on the real tensors (local shards), with the CPU RNG state that
     ``torch.utils.checkpoint`` stashes per region (made outside the dispatcher) registered as it is made."""
-    from sacplan.collector.records import OTHER
     from sacplan.collector.runtime import RuntimeModel
     from sacplan.collector.tracker import StepRecorder
     from sacplan.devices import CPU
-    from sacplan.measurement import register_state
+    from sacplan.measurement import register_state, rng_states_registered
 
     rec = StepRecorder(model, CPU, RuntimeModel(CPU))
-    get_state = torch.get_rng_state
-
-    def get_rng_state() -> torch.Tensor:
-        t = get_state()
-        rec.register(t, OTHER)
-        return t
-
-    torch.get_rng_state = get_rng_state
-    try:
-        with rec:
-            register_state(rec, model, opt, args)
-            step()
-            rec.close_segment("other")
-    finally:
-        torch.get_rng_state = get_state
+    with rng_states_registered(rec), rec:
+        register_state(rec, model, opt, args)
+        step()
+        rec.close_segment("other")
     return int(rec.step_peak), tuple(rec.step_peak_where)
 
 

@@ -265,13 +265,21 @@ def spec_strategy(grammar: Grammar = Grammar(), draw: Callable[..., ModelSpec] |
 
     @st.composite
     def specs(data: Callable[[Any], Any]) -> ModelSpec:
-        class _Pick:
-            def integer(self, lo: int, hi: int) -> int:
-                return data(st.integers(lo, hi))
-
-            def choice(self, options: Sequence[T]) -> T:
-                return data(st.sampled_from(options))
-
-        return (draw_spec if draw is None else draw)(_Pick(), grammar)
+        return (draw_spec if draw is None else draw)(hypothesis_picker(data), grammar)
 
     return specs()
+
+
+def hypothesis_picker(data: Callable[[Any], Any]) -> Picker:
+    """A :class:`Picker` drawing from a hypothesis ``@composite`` strategy's ``draw`` (so hypothesis shrinks the
+    choices)."""
+    from hypothesis import strategies as st
+
+    class _Pick:
+        def integer(self, lo: int, hi: int) -> int:
+            return data(st.integers(lo, hi))
+
+        def choice(self, options: Sequence[T]) -> T:
+            return data(st.sampled_from(options))
+
+    return _Pick()
