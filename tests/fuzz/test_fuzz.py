@@ -15,12 +15,13 @@ drawn here, each named at :data:`sacplan.testing.fuzzmodels.CHECKED` with its st
 from __future__ import annotations
 
 import pytest
-import torch
-from hypothesis import HealthCheck, Phase, given, reject, settings
+from hypothesis import Phase, given, reject, settings
 from hypothesis import strategies as st
 
 from sacplan.testing.fuzzcheck import InvalidModel, check_compiled, check_spec, failures
 from sacplan.testing.fuzzmodels import CHECKED, ModelSpec, draw_repeated_spec, spec_strategy
+
+from tests.fuzz._settings import FUZZ_SETTINGS, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 #: Examples of the default test: about 0.8 s each on a quiet 2-core machine (collect, solve, validate's real steps).
 DEFAULT_EXAMPLES = 40
@@ -29,26 +30,10 @@ SLOW_EXAMPLES = 500
 #: 10-30 s an example on 2 cores; a failure is reported as drawn (shrinking would run dozens more compiles).
 COMPILED_EXAMPLES = 8
 
-_COMMON = dict(
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
 
 SPECS = spec_strategy(CHECKED)
 #: Budget as a fraction between the minimum feasible (0) and the no-checkpointing peak (1), in hundredths.
 FRACTIONS = st.integers(0, 100).map(lambda p: p / 100)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the models are tiny, so threads only add overhead on a shared machine (both the
-    planned and the unplanned step run with the same setting; the comparison does not depend on it)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def check(spec: ModelSpec, fraction: float) -> None:
@@ -60,21 +45,21 @@ def check(spec: ModelSpec, fraction: float) -> None:
     assert not msg, msg
 
 
-@settings(max_examples=DEFAULT_EXAMPLES, **_COMMON)
+@settings(max_examples=DEFAULT_EXAMPLES, **FUZZ_SETTINGS)
 @given(spec=SPECS, fraction=FRACTIONS)
 def test_random_models_plans_match_unplanned_step(spec: ModelSpec, fraction: float) -> None:
     check(spec, fraction)
 
 
 @pytest.mark.slow
-@settings(max_examples=SLOW_EXAMPLES, **_COMMON)
+@settings(max_examples=SLOW_EXAMPLES, **FUZZ_SETTINGS)
 @given(spec=SPECS, fraction=FRACTIONS)
 def test_random_models_plans_match_unplanned_step_many(spec: ModelSpec, fraction: float) -> None:
     check(spec, fraction)
 
 
 @pytest.mark.slow
-@settings(max_examples=COMPILED_EXAMPLES, phases=(Phase.explicit, Phase.generate), **_COMMON)
+@settings(max_examples=COMPILED_EXAMPLES, phases=(Phase.explicit, Phase.generate), **FUZZ_SETTINGS)
 @given(spec=spec_strategy(CHECKED, draw_repeated_spec), fraction=FRACTIONS)
 def test_compiled_repeated_blocks_match_the_compiled_prediction(spec: ModelSpec, fraction: float) -> None:
     """Models whose body is 2-3 identical blocks (a ``list`` container), planned on the eager step, validated with

@@ -13,11 +13,12 @@ runs more. Failures are shrunk to named regression tests below.
 from __future__ import annotations
 
 import pytest
-import torch
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import given, reject, settings
 
 from sacplan.testing.fuzzmesh import InvalidMeshModel, MeshCase, case_strategy, check_case
 from sacplan.testing.fuzzmodels import Layer, ModelSpec
+
+from tests.fuzz._settings import FUZZ_SETTINGS, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 #: FSDP2 warns when a unit returns a view (a conv block's transpose): nothing here writes to one in place
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view")]
@@ -27,21 +28,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:FSDP2-
 DEFAULT_EXAMPLES = 5
 SLOW_EXAMPLES = 60
 
-_COMMON = dict(
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread in this process (the ranks set their own: sacplan.gloo_ranks.join_gloo)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def check(case: MeshCase) -> None:
@@ -52,14 +38,14 @@ def check(case: MeshCase) -> None:
     assert not msg, msg
 
 
-@settings(max_examples=DEFAULT_EXAMPLES, **_COMMON)
+@settings(max_examples=DEFAULT_EXAMPLES, **FUZZ_SETTINGS)
 @given(case=case_strategy())
 def test_random_models_fsdp2_plans_match_unplanned_ranks(case: MeshCase) -> None:
     check(case)
 
 
 @pytest.mark.slow
-@settings(max_examples=SLOW_EXAMPLES, **_COMMON)
+@settings(max_examples=SLOW_EXAMPLES, **FUZZ_SETTINGS)
 @given(case=case_strategy())
 def test_random_models_fsdp2_plans_match_unplanned_ranks_many(case: MeshCase) -> None:
     check(case)

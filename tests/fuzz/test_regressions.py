@@ -11,19 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from sacplan.testing.fuzzcheck import check_compiled, check_spec, failures
 from sacplan.testing.fuzzmodels import Layer, ModelSpec
 
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # as test_fuzz.py (the CPU attention workspace follows the thread count)
-    yield
-    torch.set_num_threads(n)
+# one_thread: an autouse fixture, as test_fuzz.py (the CPU attention workspace follows the thread count)
+from tests.fuzz._settings import one_thread  # noqa: F401
 
 
 def assert_exact(spec: ModelSpec, fraction: float = 0.0) -> None:
