@@ -133,8 +133,6 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
         if self.recording and not self.in_optimizer and torch._C._current_graph_task_id() == -1:
             reads = self.read_keys((args, kwargs))  # before this op registers its outputs
             writes = self.read_keys(out) if is_inplace else ()
-        new_bytes = 0
-        out_sids = []
         in_bw = torch._C._current_graph_task_id() != -1
         if in_bw and self.seg_fw_ops:
             # The backward's first op after forward ops outside the modules' hooks (a train_step's loss, which the
@@ -146,29 +144,15 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
             self.seg_fw_ops = True
         category = TEMP if (in_bw or self.in_optimizer) else ACT
         accumulated = self._in_place_on_real(func, args, kwargs, out, in_bw)
-        fresh = 0
-        out_new = []
-        for st in storages_of(out):
-            sid = id(st)
-            out_sids.append(sid)
-            if sid not in self.storages:
-                fresh += 1
-                out_new.append(self.add_storage(st, category, peak=accumulated is None))
-                new_bytes += out_new[-1]
-            else:
-                out_new.append(0)
+        out_sids, out_new, fresh = self._register_outputs(out, category, accumulated)
+        new_bytes = sum(out_new)
         if accumulated is not None:
             self.defer_accumulation_peak(accumulated)
         out_keys = tuple(self.storages[sid][2] for sid in out_sids)
         if fresh and category == ACT and self.fw_stack and self.fw_stack[-1].autocast_cache \
                 and is_weight_cast(func, args, kwargs):
             self.weight_casts[out_keys[0]] = new_bytes
-        ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
-        if ws and self.total + ws > self.seg_peak:
-            self.seg_peak = self.total + ws
-            cats = list(self.live)
-            cats[TEMP] += ws
-            self.seg_cats = tuple(cats)
+        ws = self._workspace(func, args, kwargs, out)
         if not self.recording:
             return out
         if out_sids and not fresh and not is_inplace:
@@ -195,6 +179,32 @@ class StepRecorder(ModuleCallHooks, TorchDispatchMode):
                 rec.fw_ms += ms
                 rec.fw_flops += flops
         return out
+
+    def _register_outputs(self, out: Any, category: int, accumulated: Any) -> tuple[list[int], list[int], int]:
+        """The ids of ``out``'s storages, per storage the bytes registered now (0: already tracked), and how many
+        were not tracked before (registered now, even with 0 bytes)."""
+        out_sids: list[int] = []
+        out_new: list[int] = []
+        fresh = 0
+        for st in storages_of(out):
+            sid = id(st)
+            out_sids.append(sid)
+            if sid not in self.storages:
+                fresh += 1
+                out_new.append(self.add_storage(st, category, peak=accumulated is None))
+            else:
+                out_new.append(0)
+        return out_sids, out_new, fresh
+
+    def _workspace(self, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+        """The op's transient workspace bytes (:func:`workspace_bytes`), raising the segment's peak where it tops it."""
+        ws = workspace_bytes(self.spec, func, args, kwargs, out) if func in WORKSPACE_OPS else 0
+        if ws and self.total + ws > self.seg_peak:
+            self.seg_peak = self.total + ws
+            cats = list(self.live)
+            cats[TEMP] += ws
+            self.seg_cats = tuple(cats)
+        return ws
 
     def _in_place_on_real(self, func: Any, args: tuple, kwargs: dict, out: Any, in_bw: bool) -> torch.UntypedStorage | None:
         """The storage of the input an out-of-place op seen here writes in place on plain tensors, if the real step
